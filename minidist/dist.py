@@ -1,0 +1,237 @@
+"""Processes, ranks and process groups: the ground every other module stands on.
+
+Chapter 02 (chapters/02_collectives.md) explains it; chapter 01's training run uses it.
+Exercised by `torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py` and by
+tests/test_dist.py.
+
+Two ways in:
+- `init()` inside a program started by torchrun (or plain `python`, as world size 1).
+- `launch(fn, world_size, *args)` from a test, notebook or exercise: it starts
+  `world_size` local processes, sets up a process group in each, runs `fn(*args)` there
+  and hands back the return values (or the first failure, naming its rank).
+
+The backend follows the hardware: NCCL with one GPU per process when CUDA has enough
+GPUs, gloo on CPU otherwise. Every process group gets a timeout, so a peer that never
+joins a collective turns into an error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("MINIDIST_TIMEOUT", 300))
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_backend(local_world_size: int = 1, device: str | None = None) -> tuple[str, str]:
+    """(backend, device type): nccl+cuda when each local process can have its own GPU."""
+    if device is None:
+        device = os.environ.get("MINIDIST_DEVICE") or (
+            "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size
+            else "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was asked for but CUDA is not available; use --device cpu")
+    return ("nccl" if device == "cuda" else "gloo"), device
+
+
+def _info(device_type: str) -> DistInfo:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    device = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device("cpu")
+    return DistInfo(rank, local_rank, world, local_world, device, dist.get_backend())
+
+
+def _set_threads(device_type: str, local_world: int) -> None:
+    # Processes on one CPU share its cores; more threads than cores only adds contention.
+    if device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+
+def init(device: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> DistInfo:
+    """Join (or create) the process group this process belongs to and return who we are.
+
+    Under torchrun the rendezvous comes from the environment it sets (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT). Without it this is a group of one, kept in memory, so the
+    same training code runs as a plain `python` program. Calling init() again returns the
+    existing group's info.
+    """
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if dist.is_initialized():
+        return _info("cuda" if dist.get_backend() == "nccl" else "cpu")
+    backend, device_type = pick_backend(local_world, device)
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    _set_threads(device_type, local_world)
+    timeout = timedelta(seconds=timeout_s)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)  # env:// from torchrun
+    else:
+        # No launcher: a world of one. A HashStore needs no network port.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+    return _info(device_type)
+
+
+def cleanup() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------- launch
+
+class LaunchError(RuntimeError):
+    """A launched process failed in a way that could not be re-raised as itself."""
+
+
+class RemoteTraceback(Exception):
+    """Carries a child's traceback text, shown as the cause of the re-raised exception."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def _dumps(obj) -> bytes:
+    # cloudpickle ships functions defined in __main__ (a script or a notebook cell) by
+    # value; plain pickle could only name them, and a spawned child cannot import a
+    # notebook. Everything the function refers to must itself be picklable.
+    import cloudpickle
+    return cloudpickle.dumps(obj)
+
+
+def _child(rank, world_size, port, backend, device_type, timeout_s, payload, results):
+    import pickle
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    try:
+        if device_type == "cuda":
+            torch.cuda.set_device(rank)
+        _set_threads(device_type, world_size)
+        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
+                              timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        fn, args = pickle.loads(payload)
+        out = fn(*args)
+        results.put((rank, "ok", _dumps(out)))
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+        tb = traceback.format_exc()
+        try:
+            blob = _dumps(e)
+        except Exception:  # an exception that will not pickle still reports its text
+            blob = None
+        results.put((rank, "error", (blob, tb, f"{type(e).__name__}: {e}")))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def _reraise(rank: int, world_size: int, info):
+    import pickle
+    blob, tb, text = info
+    exc = pickle.loads(blob) if blob is not None else None
+    where = f"rank {rank} of {world_size}"
+    if exc is not None and exc.args and isinstance(exc.args[0], str):
+        exc.args = (f"[{where}] {exc.args[0]}",) + exc.args[1:]
+    else:
+        exc = LaunchError(f"{where} failed: {text}")
+    exc.rank = rank
+    raise exc from RemoteTraceback(f"\n\nTraceback on {where}:\n{tb}")
+
+
+def launch(fn, world_size: int, *args, backend: str | None = None, device: str | None = None,
+           timeout_s: float = 120.0, grace_s: float = 1.0):
+    """Run fn(*args) in `world_size` new processes, each in one process group; return
+    the list of return values, indexed by rank.
+
+    Each call makes a fresh rendezvous: a TCPStore on a port the OS picks, so calls never
+    collide. If a process raises, its exception is re-raised here with "[rank r of N]" in
+    front of its message and its traceback as the cause; the others get `grace_s` seconds
+    to finish, then are stopped. `fn` may be defined in a notebook (see _dumps). Output
+    printed by the children goes to the terminal that started Python, which in Jupyter is
+    not the notebook: return what you want to show.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if backend is None:
+        backend, device_type = pick_backend(world_size, device)
+    else:
+        device_type = "cuda" if backend == "nccl" else "cpu"
+    ctx = mp.get_context("spawn")  # fork would copy the parent's threads and CUDA state
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
+                          wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    results = ctx.Queue()
+    payload = _dumps((fn, args))
+    procs = [ctx.Process(target=_child, daemon=True,
+                         args=(r, world_size, store.port, backend, device_type, timeout_s,
+                               payload, results))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outputs, failure, failed_at = {}, None, None
+    try:
+        while len(outputs) < world_size:
+            if failure is not None and time.monotonic() - failed_at > grace_s:
+                break
+            try:
+                rank, status, blob = results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in outputs]
+                if dead and failure is None:
+                    time.sleep(0.5)  # its report may still be in the queue
+                    if results.empty():
+                        failure = (dead[0], "died", procs[dead[0]].exitcode)
+                        failed_at = time.monotonic()
+                continue
+            if status == "ok":
+                import pickle
+                outputs[rank] = pickle.loads(blob)
+            elif failure is None or failure[1] == "died":
+                failure, failed_at = (rank, status, blob), time.monotonic()
+            else:
+                outputs[rank] = None  # a later failure, most likely a consequence
+    finally:
+        for p in procs:
+            p.join(timeout=0 if failure else 10)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        results.close()
+    if failure is not None:
+        rank, status, info = failure
+        if status == "died":
+            raise LaunchError(f"rank {rank} of {world_size} exited with code {info} without "
+                              "reporting an error (killed, out of memory, or os._exit?)")
+        _reraise(rank, world_size, info)
+    return [outputs[r] for r in range(world_size)]

@@ -1,0 +1,249 @@
+"""Train a GPT with any combination of minidist's techniques, each a flag.
+
+Chapter 01 (chapters/01_gpt.md) is the baseline this runs by default. Exercised by:
+
+    torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py     # 2 processes
+    python minidist/train_gpt.py --steps 50                            # 1 process
+    python minidist/train_gpt.py --help
+
+On CPU it trains a tiny GPT on Shakespeare with a 2048-token cut of GPT-2's BPE; on a
+GPU, GPT-2 small (124M) with GPT-2's full BPE. Every size is a flag. Rank 0 prints one
+line per logged step and writes metrics.jsonl, loss.png and summary.json to --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from minidist import data, metrics
+from minidist.ddp import allreduce_gradients_flat, allreduce_gradients_naive, broadcast_module
+from minidist.dist import cleanup, init
+from minidist.model import GPT, PRESETS, GPTConfig, flops_per_token, num_params
+
+# What "auto" means on each kind of device: a run that fits the machine.
+AUTO = {
+    "cpu": dict(preset="tiny", tokenizer="gpt2-2048", batch_size=32, steps=560, lr=3e-3,
+                warmup_steps=20, eval_interval=80, log_interval=20),
+    "cuda": dict(preset="gpt2", tokenizer="gpt2", batch_size=32, steps=300, lr=6e-4,
+                 warmup_steps=30, eval_interval=50, log_interval=10),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = p.add_argument
+    a("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    a("--preset", default=None, choices=sorted(PRESETS), help="model size (auto by device)")
+    a("--n-layer", type=int), a("--n-head", type=int), a("--n-embd", type=int)
+    a("--dropout", type=float, default=0.0)
+    a("--seq-len", type=int, help="tokens per sequence (default: the preset's block_size)")
+    a("--batch-size", type=int, help="global batch in sequences, over all ranks")
+    a("--steps", type=int, help="optimizer steps")
+    a("--lr", type=float, help="peak learning rate")
+    a("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of --lr")
+    a("--warmup-steps", type=int, help="linear warmup steps")
+    a("--weight-decay", type=float, default=0.1)
+    a("--grad-clip", type=float, default=1.0, help="max global grad norm (0: off)")
+    a("--tokenizer", help="gpt2 or gpt2-<V> (auto: gpt2-2048 on CPU, gpt2 on GPU)")
+    a("--data", help="glob of llm.c .bin train shards (default: embedded Shakespeare)")
+    a("--val-data", help="glob of validation shards (with --data)")
+    a("--eval-interval", type=int, help="steps between validation evaluations")
+    a("--eval-windows", type=int, default=64, help="sequences per mid-run evaluation")
+    a("--log-interval", type=int, help="steps between log lines")
+    a("--dp", default="flat", choices=["naive", "flat"],
+      help="gradient all-reduce after backward: one per parameter, or one flat buffer")
+    a("--seed", type=int, default=1337)
+    a("--sample-tokens", type=int, default=120, help="tokens to generate at the end")
+    a("--out-dir", default="out", help="where metrics.jsonl, loss.png, summary.json go")
+    return p
+
+
+def resolve_args(args, world_size: int) -> argparse.Namespace:
+    """Fill in the device-dependent defaults and reject what cannot run. Runs before any
+    process-group work, so a bad flag costs nothing and hangs nothing."""
+    p = build_parser()
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but CUDA is not available: use --device cpu")
+    for k, v in AUTO[args.device].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.seq_len is None:
+        args.seq_len = PRESETS[args.preset]["block_size"]
+    for k in ("batch_size", "steps", "seq_len", "eval_interval", "log_interval", "eval_windows"):
+        if getattr(args, k) < 1:
+            p.error(f"--{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
+    if args.warmup_steps < 0 or args.warmup_steps >= args.steps:
+        p.error(f"--warmup-steps must be in [0, --steps), got {args.warmup_steps}")
+    if args.batch_size % world_size:
+        p.error(f"--batch-size {args.batch_size} does not divide across {world_size} ranks: "
+                f"use a multiple of {world_size}, e.g. {world_size * max(1, args.batch_size // world_size)}")
+    if args.lr <= 0:
+        p.error(f"--lr must be > 0, got {args.lr}")
+    if bool(args.data) != bool(args.val_data):
+        p.error("--data and --val-data go together: give both or neither")
+    try:
+        data.get_tokenizer(args.tokenizer)
+        if args.data is None:
+            data.corpus_dir()
+        else:
+            for pattern in (args.data, args.val_data):
+                data.TokenLoader(pattern, args.seq_len, world_size, 0, world_size)  # reads headers
+    except (ValueError, ImportError, FileNotFoundError) as e:
+        p.error(str(e))
+    return args
+
+
+def lr_at(step: int, args) -> float:
+    """Linear warmup, then cosine decay to min_lr_ratio * lr."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    t = (step - args.warmup_steps) / max(1, args.steps - 1 - args.warmup_steps)
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+@torch.no_grad()
+def evaluate(model, loader, info, tok_bytes, max_windows=None) -> tuple[float, float]:
+    """(mean loss in nats per token, bits per byte) over the validation windows, all
+    ranks sharing the work. Bits per byte divides by the UTF-8 bytes of the predicted
+    tokens, so it compares across tokenizers."""
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64)  # nats, tokens, bytes
+    windows = list(loader.all_windows(max_windows))
+    for i in range(0, len(windows), 16):
+        w = torch.stack([torch.from_numpy(loader.window(j)) for j in windows[i:i + 16]])
+        x, y = w[:, :-1].to(info.device), w[:, 1:].to(info.device)
+        _, loss = model(x, y, reduction="sum")
+        sums += torch.tensor([loss.item(), y.numel(), tok_bytes[w[:, 1:].numpy()].sum()],
+                             dtype=torch.float64)
+    sums = sums.to(info.device)
+    dist.all_reduce(sums)
+    model.train()
+    nats, n, nbytes = sums.tolist()
+    return nats / n, nats / math.log(2) / max(nbytes, 1)
+
+
+def plot_losses(rows, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    tr = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    va = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    ax.plot(*zip(*tr), label="train")
+    if va:
+        ax.plot(*zip(*va), "o-", label="validation")
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title="minidist train_gpt")
+    ax.legend(), ax.grid(alpha=0.3)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    args = resolve_args(args, int(os.environ.get("WORLD_SIZE", 1)))
+    # Data is prepared before the process group exists: each rank tokenizes if needed
+    # (writes are atomic, so ranks racing on a fresh cache write the same bytes).
+    if args.data is None:
+        root = data.default_data_dir(args.tokenizer)
+        data.prepare_shakespeare(root, args.tokenizer)
+        args.data, args.val_data = f"{root}/train_*.bin", f"{root}/val_*.bin"
+    info = init(device=args.device)
+    log = print if info.is_main else (lambda *a, **k: None)
+    torch.manual_seed(args.seed)
+
+    enc = data.get_tokenizer(args.tokenizer)
+    cfg = GPTConfig(**{**PRESETS[args.preset], "block_size": args.seq_len,
+                       "vocab_size": enc.n_vocab, "dropout": args.dropout,
+                       **{k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd")
+                          if getattr(args, k) is not None}})
+    model = GPT(cfg).to(info.device)
+    broadcast_module(model)  # identical start on every rank, whatever the seeds did
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    train = data.TokenLoader(args.data, args.seq_len, args.batch_size, info.rank,
+                             info.world_size, args.seed)
+    val = data.TokenLoader(args.val_data, args.seq_len, args.batch_size, info.rank,
+                           info.world_size, args.seed)
+    tok_bytes = data.token_bytes(enc)
+    fpt = flops_per_token(cfg, args.seq_len)
+    peak, peak_src = metrics.peak_flops(info.device, "fp32")
+    log(f"minidist | {info.world_size} x {info.device.type} ({info.backend}) | {args.preset}: "
+        f"{num_params(model) / 1e6:.2f}M params, {cfg.n_layer}L {cfg.n_head}H {cfg.n_embd}d, "
+        f"vocab {cfg.vocab_size} ({args.tokenizer}) | batch {args.batch_size} x {args.seq_len} "
+        f"tokens | {args.steps} steps | MFU vs {peak_src}")
+
+    out = Path(args.out_dir)
+    rows, tput, t_start = [], metrics.Throughput(), time.perf_counter()
+    for step in range(args.steps):
+        lr = lr_at(step, args)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x, y = (t.to(info.device) for t in train.batch(step))
+        _, loss = model(x, y)
+        loss.backward()
+        (allreduce_gradients_flat if args.dp == "flat" else allreduce_gradients_naive)(model)
+        if args.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tput.add(args.batch_size * args.seq_len)
+
+        last = step == args.steps - 1
+        if step == 0 or last or (step + 1) % args.log_interval == 0 or (step + 1) % args.eval_interval == 0:
+            loss_avg = loss.detach().clone()
+            dist.all_reduce(loss_avg)
+            row = {"step": step + 1, "loss": loss_avg.item() / info.world_size, "lr": lr}
+            if (step + 1) % args.eval_interval == 0 and not last:
+                row["val_loss"], _ = evaluate(model, val, info, tok_bytes, args.eval_windows)
+            rate = tput.rate()
+            m = metrics.mfu(fpt, rate, peak, info.world_size)
+            row.update(tokens_per_s=rate, mfu=m, mem_gb=metrics.memory_bytes(info.device) / 1e9,
+                       elapsed_s=time.perf_counter() - t_start)
+            rows.append(row)
+            log(f"step {step + 1:5d}/{args.steps} | loss {row['loss']:.4f}"
+                + (f" | val {row['val_loss']:.4f}" if "val_loss" in row else "")
+                + f" | lr {lr:.2e} | {rate:,.0f} tok/s | MFU "
+                + (f"{100 * m:.1f}%" if m is not None else "n/a")
+                + f" | mem {row['mem_gb']:.2f} GB")
+
+    val_loss, bpb = evaluate(model, val, info, tok_bytes)  # the whole validation split
+    train_s = time.perf_counter() - t_start
+    rows.append({"step": args.steps, "val_loss": val_loss, "val_bpb": bpb})
+    summary = {"val_loss": val_loss, "val_bpb": bpb, "train_seconds": train_s,
+               "world_size": info.world_size, "device": info.device.type,
+               "params": num_params(model), "config": cfg.to_dict(), "args": vars(args)}
+    if info.is_main:
+        g = torch.Generator(device=info.device).manual_seed(args.seed)
+        prompt = torch.tensor([[enc.eot_token]], device=info.device)
+        sample = enc.decode(model.generate(prompt, args.sample_tokens, temperature=0.8,
+                                           top_k=50, generator=g)[0, 1:].tolist())
+        summary["sample"] = sample
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "metrics.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        plot_losses(rows, out / "loss.png")
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        log(f"final | val loss {val_loss:.4f} nats/token | {bpb:.3f} bits/byte | "
+            f"trained {train_s:.0f}s\n--- sample ---\n{sample}\n--- "
+            f"metrics.jsonl, loss.png, summary.json in {out}/")
+    cleanup()
+    return summary
+
+
+if __name__ == "__main__":
+    sys.exit(main() and 0)
