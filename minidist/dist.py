@@ -196,7 +196,7 @@ def launch(fn, world_size: int, *args, backend: str | None = None, device: str |
              for r in range(world_size)]
     for p in procs:
         p.start()
-    outputs, failure, failed_at = {}, None, None
+    outputs, failure, failed_at, reported = {}, None, None, set()
     try:
         while len(outputs) < world_size:
             if failure is not None and time.monotonic() - failed_at > grace_s:
@@ -219,6 +219,12 @@ def launch(fn, world_size: int, *args, backend: str | None = None, device: str |
                 failure, failed_at = (rank, status, blob), time.monotonic()
             else:
                 outputs[rank] = None  # a later failure, most likely a consequence
+            reported.add(rank)
+        # A child that died without a report is the likeliest root cause: the others'
+        # errors ("connection closed by peer") are usually its consequence.
+        silent = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in reported]
+        if silent:
+            failure = (silent[0], "died", procs[silent[0]].exitcode)
     finally:
         for p in procs:
             p.join(timeout=0 if failure else 10)

@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--val-data", help="glob of validation shards (with --data)")
     a("--eval-interval", type=int, help="steps between validation evaluations")
     a("--eval-windows", type=int, default=64, help="sequences per mid-run evaluation")
+    a("--final-eval-windows", type=int, help="sequences in the final evaluation (default: all)")
     a("--log-interval", type=int, help="steps between log lines")
     a("--dp", default="flat", choices=["naive", "flat"],
       help="gradient all-reduce after backward: one per parameter, or one flat buffer")
@@ -81,8 +82,9 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
             setattr(args, k, v)
     if args.seq_len is None:
         args.seq_len = PRESETS[args.preset]["block_size"]
-    for k in ("batch_size", "steps", "seq_len", "eval_interval", "log_interval", "eval_windows"):
-        if getattr(args, k) < 1:
+    for k in ("batch_size", "steps", "seq_len", "eval_interval", "log_interval", "eval_windows",
+              "final_eval_windows"):
+        if getattr(args, k) is not None and getattr(args, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
     if args.warmup_steps < 0 or args.warmup_steps >= args.steps:
         p.error(f"--warmup-steps must be in [0, --steps), got {args.warmup_steps}")
@@ -221,7 +223,8 @@ def main(argv=None) -> dict:
                 + (f"{100 * m:.1f}%" if m is not None else "n/a")
                 + f" | mem {row['mem_gb']:.2f} GB")
 
-    val_loss, bpb = evaluate(model, val, info, tok_bytes)  # the whole validation split
+    # by default the whole validation split
+    val_loss, bpb = evaluate(model, val, info, tok_bytes, args.final_eval_windows)
     train_s = time.perf_counter() - t_start
     rows.append({"step": args.steps, "val_loss": val_loss, "val_bpb": bpb})
     summary = {"val_loss": val_loss, "val_bpb": bpb, "train_seconds": train_s,
@@ -242,7 +245,7 @@ def main(argv=None) -> dict:
             f"trained {train_s:.0f}s\n--- sample ---\n{sample}\n--- "
             f"metrics.jsonl, loss.png, summary.json in {out}/")
     cleanup()
-    return summary
+    return {**summary, "rows": rows}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,100 @@
+"""minidist.dist: init() without torchrun, and launch(): return values, failures re-raised
+with their rank, a dead child reported, a peer that never joins a collective turning into
+an error within the timeout, and functions defined in a notebook."""
+
+import os
+import subprocess
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from minidist.dist import LaunchError, init, launch
+
+
+def _who_and_sum(offset):
+    info = init()  # inside launch: returns the group launch made
+    t = torch.tensor([float(info.rank + 1)])
+    dist.all_reduce(t)
+    return info.rank, info.world_size, info.backend, t.item() + offset
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_launch_returns_each_ranks_value(world):
+    out = launch(_who_and_sum, world, 0.5)
+    # sum of 1..world, computed here independently of the processes
+    assert out == [(r, world, "gloo", world * (world + 1) / 2 + 0.5) for r in range(world)]
+
+
+def _fails_on_rank_one():
+    if dist.get_rank() == 1:
+        raise ValueError("bad thing")
+    return "fine"
+
+
+def test_child_exception_reraised_with_rank():
+    with pytest.raises(ValueError, match=r"\[rank 1 of 2\] bad thing") as e:
+        launch(_fails_on_rank_one, 2)
+    assert e.value.rank == 1
+    assert "_fails_on_rank_one" in str(e.value.__cause__)  # the child's traceback
+
+
+def _dies_silently():
+    if dist.get_rank() == 1:
+        os._exit(7)
+    dist.barrier()
+
+
+def test_child_that_dies_without_a_word_is_reported():
+    with pytest.raises(LaunchError, match="rank 1 of 2 exited with code 7"):
+        launch(_dies_silently, 2, timeout_s=30)
+
+
+def _skips_collective():
+    if dist.get_rank() == 1:
+        time.sleep(30)  # alive, but never joins
+        return None
+    dist.all_reduce(torch.ones(4))
+
+
+def test_missing_peer_is_an_error_not_a_hang():
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match=r"rank 0 of 2"):
+        launch(_skips_collective, 2, timeout_s=3)
+    assert time.monotonic() - t0 < 25  # well before the sleeping peer would have woken
+
+
+def test_init_without_torchrun_is_a_world_of_one(python):
+    code = ("import torch, torch.distributed as dist; from minidist.dist import init; "
+            "i = init(); t = torch.ones(2); dist.all_reduce(t); "
+            "print(i.rank, i.world_size, i.backend, i.device, t.tolist())")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    r = subprocess.run([python, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["0", "1", "gloo", "cpu", "[1.0,", "1.0]"]
+
+
+def test_bad_world_size():
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        launch(_who_and_sum, 0, 0.0)
+
+
+def test_launch_from_a_notebook(tmp_path):
+    """A function defined in a notebook cell lives in __main__ of the kernel: spawn cannot
+    import it, so launch ships it by value. Execute a real notebook to prove it."""
+    import nbformat
+    from nbclient import NotebookClient
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(
+        "import torch, torch.distributed as dist\n"
+        "from minidist.dist import launch\n"
+        "SCALE = 10.0\n"
+        "def work(x):\n"
+        "    t = torch.tensor([x * (dist.get_rank() + 1)])\n"
+        "    dist.all_reduce(t)\n"
+        "    return t.item() * SCALE\n"
+        "result = launch(work, 2, 1.5)\n"
+        "assert result == [45.0, 45.0], result\n")]
+    NotebookClient(nb, timeout=120, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()

