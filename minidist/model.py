@@ -33,6 +33,8 @@ class GPTConfig:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}; "
                              "change one of them")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -208,6 +210,6 @@ def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> int:
     scores and weighted sums (the convention counts the full T x T square even though a
     causal kernel skips half of it).
     """
-    T = seq_len or cfg.block_size
+    T = cfg.block_size if seq_len is None else seq_len
     N = config_num_params(cfg) - cfg.block_size * cfg.n_embd
     return 6 * N + 12 * cfg.n_layer * T * cfg.n_embd

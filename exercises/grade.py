@@ -1,0 +1,187 @@
+"""Grade the exercises: `python -m exercises.grade [NN ...] [--reference]`.
+
+An exercise is a file exercises/NN_name.py: stub functions, and a REFERENCE dict naming
+minidist's implementation of each ("module:attribute"), which `--reference` grades
+instead. Its checks are functions registered with `@check("NN", points)`, here or in
+exercises/checks_NN.py (imported when it exists): each takes the implementation under
+test (a namespace, one attribute per REFERENCE name) and raises AssertionError saying
+what is wrong. Checks compare against an oracle (a model built here, a measurement, a
+formula written here independently), never against numbers copied from a run.
+tests/test_exercises.py proves for every exercise that its stubs score 0 and minidist
+scores full. A finished grading run exits 0 whatever the score; bad arguments exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import re
+import sys
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable
+
+
+
+HERE = Path(__file__).resolve().parent
+
+
+# --------------------------------------------------------------------------- registry
+
+@dataclass
+class Check:
+    name: str
+    points: int
+    fn: Callable[[SimpleNamespace], None]
+
+
+CHECKS: dict[str, list[Check]] = {}
+
+
+def check(nn: str, points: int = 1, name: str | None = None):
+    """Register a graded check of exercise `nn`, worth `points` when it passes."""
+    def register(fn):
+        CHECKS.setdefault(nn, []).append(Check(name or fn.__name__, points, fn))
+        return fn
+    return register
+
+
+def available() -> dict[str, str]:
+    """{"01": "01_gpt", ...}: the exercise files present in exercises/."""
+    found = (re.fullmatch(r"(\d\d)_\w+\.py", p.name) for p in sorted(HERE.iterdir()))
+    return {m.group(1): m.group(0)[:-3] for m in found if m}
+
+
+def checks_of(nn: str) -> list[Check]:
+    # Long check suites live in exercises/checks_NN.py, which registers on (first) import.
+    if importlib.util.find_spec(f"exercises.checks_{nn}") is not None:
+        importlib.import_module(f"exercises.checks_{nn}")
+    return CHECKS.get(nn, [])
+
+
+def _resolve(target: str):
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def implementation(nn: str, reference: bool = False, overrides: dict | None = None):
+    """The functions to grade: the student's stubs, or minidist's with reference=True."""
+    name = f"exercises.{available()[nn]}"
+    # Reload, so a notebook that edits the file and grades again sees the edit.
+    mod = importlib.reload(sys.modules[name]) if name in sys.modules else importlib.import_module(name)
+    impl = {n: _resolve(target) if reference else getattr(mod, n) for n, target in mod.REFERENCE.items()}
+    impl.update(overrides or {})
+    return SimpleNamespace(**impl)
+
+
+# --------------------------------------------------------------------------- grading
+
+@dataclass
+class CheckResult:
+    name: str
+    ok: bool
+    points: int
+    max_points: int
+    message: str = ""
+
+
+@dataclass
+class Result:
+    nn: str
+    name: str
+    checks: list[CheckResult] = field(default_factory=list)
+    seconds: float = 0.0
+    passed = property(lambda self: sum(c.ok for c in self.checks))
+    total = property(lambda self: len(self.checks))
+    points = property(lambda self: sum(c.points for c in self.checks))
+    max_points = property(lambda self: sum(c.max_points for c in self.checks))
+
+
+def _run(c: Check, impl: SimpleNamespace) -> CheckResult:
+    try:
+        c.fn(impl)
+        return CheckResult(c.name, True, c.points, c.points)
+    except NotImplementedError as e:  # still a stub: show its hint
+        msg = f"not implemented: {e}"
+    except AssertionError as e:
+        msg = str(e) or "assertion failed"
+    except Exception as e:  # a crash in the code under test fails its check, not the run
+        msg = f"{type(e).__name__}: {e}"
+    return CheckResult(c.name, False, 0, c.points, msg)
+
+
+def grade(nn: str, reference: bool = False, overrides: dict | None = None) -> Result:
+    """Run every check of exercise `nn`; `overrides` replaces single functions (tests)."""
+    known = available()
+    if nn not in known:
+        raise KeyError(f"no exercise {nn!r}; available: {', '.join(known) or 'none'}")
+    t0, result = time.perf_counter(), Result(nn, known[nn])
+    try:
+        impl = implementation(nn, reference, overrides)
+    except Exception as e:  # the student's file does not import: every check fails, saying why
+        why = f"exercises/{known[nn]}.py does not load: {type(e).__name__}: {e}"
+        result.checks = [CheckResult(c.name, False, 0, c.points, why) for c in checks_of(nn)]
+    else:
+        result.checks = [_run(c, impl) for c in checks_of(nn)]
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+# --------------------------------------------------------------------------- command line
+
+def report(results: list[Result], reference: bool) -> str:
+    what = "minidist's reference implementations" if reference else "your implementations"
+    lines = [f"Grading {what}", ""]
+    for r in results:
+        lines.append(f"{r.name}  ({r.seconds:.1f}s)")
+        for c in r.checks:
+            lines.append(f"  {'PASS' if c.ok else 'FAIL'}  {c.points}/{c.max_points}  {c.name}")
+            # the whole hint or error, wrapped; only a runaway message (a tensor repr) is cut
+            msg = textwrap.shorten(c.message, 600, placeholder=" ...") if c.message else ""
+            lines += textwrap.wrap(msg, 88, initial_indent=" " * 8, subsequent_indent=" " * 8)
+        lines.append("")
+    rows = [(r.name, f"{r.passed}/{r.total}", str(r.points), str(r.max_points)) for r in results]
+    tot = [sum(getattr(r, a) for r in results) for a in ("passed", "total", "points", "max_points")]
+    rows.append(("total", f"{tot[0]}/{tot[1]}", str(tot[2]), str(tot[3])))
+    head = ("exercise", "tests passed", "points", "total")
+    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(4)]
+    for i, row in enumerate([head, *rows]):
+        if i == len(rows):  # a rule above the total
+            lines.append("-" * (sum(widths) + 6))
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; `.chosen` holds the exercise numbers. Bad ones exit 2."""
+    p = argparse.ArgumentParser(prog="python -m exercises.grade", description=__doc__.split("\n")[0])
+    p.add_argument("exercises", nargs="*", metavar="NN", help="exercise numbers (default: all)")
+    p.add_argument("--reference", action="store_true", help="grade minidist's implementations")
+    args = p.parse_args(argv)
+    known = available()
+    args.chosen = []
+    for arg in args.exercises or list(known):
+        nn = arg.split("_")[0].zfill(2)  # accept 1, 01 and 01_gpt
+        if nn not in known:
+            p.error(f"unknown exercise {arg!r}; available: "
+                    + ", ".join(f"{k} ({v})" for k, v in known.items()))
+        args.chosen.append(nn)
+    args.chosen = list(dict.fromkeys(args.chosen))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    print(report([grade(nn, args.reference) for nn in args.chosen], args.reference))
+    return 0
+
+
+if __name__ == "__main__":
+    # Run the imported module's main, not this __main__ copy's: the checks register
+    # themselves on `exercises.grade`, and two copies would mean two registries.
+    from exercises import grade as _grade
+    sys.exit(_grade.main())
