@@ -1,0 +1,35 @@
+"""minidist.bench runs end to end and writes what it promises. Speed is not asserted
+here (timed tests on a shared 2-core machine would be noise): the benchmark reports
+ratios, and the alpha-beta fit is checked against data whose alpha and beta are known."""
+
+import json
+import sys
+
+from minidist import bench
+from conftest import run
+
+
+def test_collectives_benchmark_quick(tmp_path):
+    r = run([sys.executable, "-m", "minidist.bench", "collectives", "--quick", "--out", str(tmp_path)],
+            timeout=300)
+    assert r.returncode == 0, r.stderr
+    result = json.loads((tmp_path / "collectives.json").read_text())
+    ops = {row["op"] for row in result["rows"]}
+    assert ops == {"all_reduce", "reduce_scatter", "all_gather"}
+    for row in result["rows"]:
+        assert row["ours_s"] > 0 and row["torch_s"] > 0 and row["ratio"] > 0
+    assert (tmp_path / "collectives.png").read_bytes()[:4] == b"\x89PNG"
+    assert "alpha-beta fit, N=2" in r.stdout
+
+
+def test_alpha_beta_fit_recovers_a_known_model():
+    alpha, beta = 50e-6, 1 / 2e9  # 50 us per message, 2 GB/s
+    rows = []
+    for op, (f, steps) in bench.RING.items():
+        for n in (2, 4):
+            for S in (1 << 10, 1 << 16, 1 << 22):
+                rows.append({"op": op, "world_size": n, "bytes": S,
+                             "ours_s": steps(n) * alpha + f(n) * S * beta})
+    fit = bench.fit_alpha_beta(rows)
+    assert abs(fit["alpha_s"] - alpha) / alpha < 1e-6
+    assert abs(fit["bandwidth_GBps"] - 2.0) < 1e-6
