@@ -41,8 +41,8 @@ def _ours_and_theirs(op: str, S: int, device):
     part = torch.ones(numel // n, device=device)
     if op == "reduce_scatter":
         return (lambda: comm.reduce_scatter(part, x),
-                lambda: dist.reduce_scatter_tensor(part, x))
-    return lambda: comm.all_gather(x, part), lambda: dist.all_gather_into_tensor(x, part)
+                lambda: dist.reduce_scatter_single(part, x))
+    return lambda: comm.all_gather(x, part), lambda: dist.all_gather_single(x, part)
 
 
 def _time_collectives(ops, sizes, budget_s):

@@ -303,7 +303,8 @@ class TokenLoader:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description="Write token shards in the llm.c .bin format.")
-    p.add_argument("--out", default=default_data_dir("gpt2"), help="output folder")
+    p.add_argument("--out", help="output folder (default: the cache train_gpt reads, "
+                   "$MINIDIST_DATA or ~/.cache/minidist, per tokenizer)")
     p.add_argument("--tokenizer", default="gpt2", help="gpt2 or gpt2-<V> (default: gpt2)")
     p.add_argument("--check", nargs="*", default=None, metavar="SHARD",
                    help="instead: read these shards back and print their token counts")
@@ -312,7 +313,7 @@ def main(argv=None) -> None:
         for f in a.check:
             print(f"{f}: {len(read_shard(f))} tokens")
         return
-    meta = prepare_shakespeare(a.out, a.tokenizer)
+    meta = prepare_shakespeare(a.out or default_data_dir(a.tokenizer), a.tokenizer)
     print(json.dumps(meta, indent=1))
 
 

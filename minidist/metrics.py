@@ -38,7 +38,7 @@ def gpu_peak_flops(device_name: str, precision: str = "bf16") -> float | None:
     return None
 
 
-def measure_cpu_peak_flops(n: int = 512, seconds: float = 0.3) -> float:
+def measure_cpu_peak_flops(n: int = 512, seconds: float = 0.5) -> float:
     """Best fp32 matmul rate of this process (FLOP/s), measured once and remembered."""
     global _measured_cpu_peak
     if _measured_cpu_peak is None:

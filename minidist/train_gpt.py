@@ -163,6 +163,9 @@ def main(argv=None) -> dict:
         args.data, args.val_data = f"{root}/train_*.bin", f"{root}/val_*.bin"
     info = init(device=args.device)
     log = print if info.is_main else (lambda *a, **k: None)
+    if info.device.type == "cuda":
+        # fp32 matmuls on TF32 tensor cores, the rate the MFU peak table assumes for fp32
+        torch.set_float32_matmul_precision("high")
     torch.manual_seed(args.seed)
 
     enc = data.get_tokenizer(args.tokenizer)
@@ -183,7 +186,8 @@ def main(argv=None) -> dict:
                            info.world_size, args.seed)
     tok_bytes = data.token_bytes(enc)
     fpt = flops_per_token(cfg, args.seq_len)
-    peak, peak_src = metrics.peak_flops(info.device, "fp32")
+    dist.barrier()  # on CPU, every rank measures its matmul peak at the same time,
+    peak, peak_src = metrics.peak_flops(info.device, "fp32")  # sharing the cores as in training
     log(f"minidist | {info.world_size} x {info.device.type} ({info.backend}) | {args.preset}: "
         f"{num_params(model) / 1e6:.2f}M params, {cfg.n_layer}L {cfg.n_head}H {cfg.n_embd}d, "
         f"vocab {cfg.vocab_size} ({args.tokenizer}) | batch {args.batch_size} x {args.seq_len} "
@@ -210,9 +214,10 @@ def main(argv=None) -> dict:
             loss_avg = loss.detach().clone()
             dist.all_reduce(loss_avg)
             row = {"step": step + 1, "loss": loss_avg.item() / info.world_size, "lr": lr}
+            rate = tput.rate()  # training only: evaluation below is not counted
             if (step + 1) % args.eval_interval == 0 and not last:
                 row["val_loss"], _ = evaluate(model, val, info, tok_bytes, args.eval_windows)
-            rate = tput.rate()
+                tput.rate()  # restart the clock after evaluating
             m = metrics.mfu(fpt, rate, peak, info.world_size)
             row.update(tokens_per_s=rate, mfu=m, mem_gb=metrics.memory_bytes(info.device) / 1e9,
                        elapsed_s=time.perf_counter() - t_start)
