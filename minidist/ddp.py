@@ -9,6 +9,8 @@ Exercised by `torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py`.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -67,3 +69,150 @@ def allreduce_gradients_flat(module: nn.Module) -> None:
         n = g.numel()
         p.grad = flat[offset:offset + n].view_as(g)  # a view: no second copy
         offset += n
+
+
+# ---------------------------------------------------------------------------- bucketed
+
+class _Bucket:
+    """Consecutive parameters (in the order their gradients arrive) sharing one flat buffer."""
+
+    def __init__(self, params: list[nn.Parameter], names: list[str]):
+        self.params, self.names = params, names
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
+                                  device=params[0].device)
+        self.views, off = [], 0
+        for p in params:
+            self.views.append(self.buffer[off:off + p.numel()].view_as(p))
+            off += p.numel()
+        self.ready: set[int] = set()
+        self.work = None
+
+
+class DDP(nn.Module):
+    """Data parallelism with bucketed gradient all-reduce overlapped with backward.
+
+    - Construction broadcasts rank 0's parameters and buffers, so every rank starts equal.
+    - Trainable parameters are grouped into buckets of about `bucket_cap_mb` MiB, in
+      reverse registration order: roughly the order backward produces their gradients.
+      `bucket_cap_mb=0` makes one bucket per parameter, `None` one bucket for all.
+    - A hook on each parameter (`register_post_accumulate_grad_hook`, which fires once per
+      backward after a tied weight's contributions are summed) copies its gradient into
+      its bucket. When a bucket is full it starts an asynchronous all-reduce, while
+      backward goes on computing earlier layers: communication overlaps compute.
+    - Buckets are launched strictly in index order, so every rank issues the same
+      collectives in the same order even if gradients arrive in a different order.
+    - At the end of backward (an autograd callback) the remaining buckets are launched,
+      all are awaited, averaged, and each `p.grad` becomes a view of its bucket. A plain
+      `loss.backward(); opt.step()` loop needs nothing more.
+    - A trainable parameter that got no gradient is an error naming it, unless
+      `find_unused_parameters=True`, which treats its gradient as zero.
+    - `no_sync()` skips communication: gradients accumulate locally until the first
+      backward outside it.
+    - `overlap=False` waits until backward ends before communicating anything (the
+      benchmark's baseline for how much communication overlap hides).
+
+    The all-reduce is torch.distributed's asynchronous one: overlap needs a collective that
+    runs in the background while Python continues, which minidist.comm's teaching ring
+    (synchronous, in Python) is not.
+    """
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float | None = 25.0,
+                 find_unused_parameters: bool = False, overlap: bool = True):
+        super().__init__()
+        if bucket_cap_mb is not None and bucket_cap_mb < 0:
+            raise ValueError(f"bucket_cap_mb must be >= 0 or None, got {bucket_cap_mb}")
+        self.module = module
+        self.find_unused_parameters, self.overlap = find_unused_parameters, overlap
+        self.world = dist.get_world_size()
+        broadcast_module(module)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("DDP needs at least one parameter with requires_grad=True")
+        self.buckets = self._make_buckets(list(reversed(named)), bucket_cap_mb)
+        self._where = {id(p): (b, i) for b, bucket in enumerate(self.buckets)
+                       for i, p in enumerate(bucket.params)}
+        self._sync, self._next, self._callback_queued = True, 0, False
+        for _, p in named:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    @staticmethod
+    def _make_buckets(named, cap_mb) -> list[_Bucket]:
+        cap = float("inf") if cap_mb is None else cap_mb * 2**20
+        buckets, cur, size = [], [], 0
+        for n, p in named:
+            nbytes = p.numel() * p.element_size()
+            # a new bucket when this one is full, or the dtype/device changes
+            if cur and (size + nbytes > cap or (p.dtype, p.device) != (cur[0][1].dtype, cur[0][1].device)):
+                buckets.append(cur)
+                cur, size = [], 0
+            cur.append((n, p))
+            size += nbytes
+        buckets.append(cur)
+        return [_Bucket([p for _, p in b], [n for n, _ in b]) for b in buckets]
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients locally, with no communication."""
+        old, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = old
+
+    # -- during backward
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if not self._sync:
+            return
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
+        b, i = self._where[id(p)]
+        bucket = self.buckets[b]
+        if p.grad is not bucket.views[i]:
+            bucket.views[i].copy_(p.grad)  # no-op when p.grad is already the bucket's view
+        bucket.ready.add(i)
+        if self.overlap:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        # launch in bucket order: bucket k only after buckets 0..k-1 have been launched
+        while self._next < len(self.buckets) and \
+                len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
+            bucket = self.buckets[self._next]
+            bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, async_op=True)
+            self._next += 1
+
+    def finish_gradient_synchronization(self) -> None:
+        """Launch what is left, wait for every bucket, average, and point each p.grad at
+        its bucket. Runs by itself at the end of backward; calling it again is a no-op."""
+        if not self._callback_queued:
+            return
+        missing = [(bucket, i) for bucket in self.buckets
+                   for i in range(len(bucket.params)) if i not in bucket.ready]
+        if missing and not self.find_unused_parameters:
+            self._reset()
+            names = ", ".join(bucket.names[i] for bucket, i in missing[:5])
+            raise RuntimeError(f"DDP: parameter(s) {names} received no gradient in this backward. "
+                               "Every rank must all-reduce the same buckets: use all parameters "
+                               "in the loss, freeze them (requires_grad=False), or pass "
+                               "find_unused_parameters=True to treat their gradients as zero.")
+        for bucket, i in missing:
+            bucket.views[i].zero_()
+            bucket.ready.add(i)
+        self._launch_ready()
+        for bucket in self.buckets:
+            bucket.work.wait()
+            bucket.buffer.div_(self.world)
+            for p, view in zip(bucket.params, bucket.views):
+                p.grad = view
+        self._reset()
+
+    def _reset(self) -> None:
+        for bucket in self.buckets:
+            bucket.ready.clear()
+            bucket.work = None
+        self._next, self._callback_queued = 0, False

@@ -1,0 +1,139 @@
+"""minidist.ddp.DDP against its oracles: one process on the full batch, and torch's own
+DistributedDataParallel, on a model with a tied weight and a frozen parameter."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from minidist.ddp import DDP
+from minidist.dist import launch
+
+
+class Tied(nn.Module):
+    """Embedding tied to the head, a frozen layer, and enough tensors for several buckets."""
+
+    def __init__(self, V=50, d=16):
+        super().__init__()
+        self.emb = nn.Embedding(V, d)
+        self.frozen = nn.Linear(d, d)
+        self.frozen.requires_grad_(False)
+        self.body = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.LayerNorm(d))
+        self.head = nn.Linear(d, V, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x, y):
+        h = self.body(self.frozen(self.emb(x)))
+        return nn.functional.cross_entropy(self.head(h).view(-1, self.head.out_features), y.view(-1))
+
+
+def _data(step, batch=8, T=6):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, 50, (batch, T), generator=g)
+    return x, x.roll(-1, 1)
+
+
+def _train(model, opt_name, steps, rank=0, world=1, wrap=None):
+    m = wrap(model) if wrap else model
+    opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if opt_name == "sgd"
+           else torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for s in range(steps):
+        x, y = _data(s)
+        per = x.shape[0] // world
+        m(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _one_process(opt_name):
+    torch.manual_seed(0)
+    return _train(Tied(), opt_name, 5)
+
+
+def _ddp(opt_name, cap, torch_ddp=False):
+    torch.manual_seed(dist.get_rank() + 100)  # ranks start different: DDP must broadcast
+    model = Tied()
+    if dist.get_rank() == 0:
+        torch.manual_seed(0)
+        model = Tied()
+    if torch_ddp:
+        wrap = lambda m: nn.parallel.DistributedDataParallel(m)
+    else:
+        wrap = lambda m: DDP(m, bucket_cap_mb=cap)
+    n_buckets = len(DDP(Tied(), bucket_cap_mb=cap).buckets) if not torch_ddp else None
+    out = _train(model, opt_name, 5, dist.get_rank(), dist.get_world_size(), wrap)
+    return out, n_buckets
+
+
+# 1 bucket (None), one per parameter (0), and a cap that makes several (about 4 KiB)
+@pytest.mark.parametrize("cap, buckets", [(None, 1), (0, 7), (0.004, 3)])
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_ddp_equals_one_process(opt_name, cap, buckets):
+    ref = _one_process(opt_name)
+    for state, n_buckets in launch(_ddp, 2, opt_name, cap):
+        assert n_buckets >= buckets if buckets == 3 else n_buckets == buckets
+        for k in ref:
+            torch.testing.assert_close(state[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_ddp_equals_torch_ddp_on_four_ranks():
+    ours = launch(_ddp, 4, "adamw", 0.004)
+    theirs = launch(_ddp, 4, "adamw", None, True)
+    for (a, _), (b, _) in zip(ours, theirs):
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def _construction_broadcasts():
+    torch.manual_seed(dist.get_rank())
+    m = Tied()
+    before = m.emb.weight.clone()
+    DDP(m)
+    everyone = [torch.empty_like(before) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, m.emb.weight.detach())
+    return torch.equal(before, m.emb.weight), all(torch.equal(e, everyone[0]) for e in everyone)
+
+
+def test_construction_makes_ranks_equal():
+    (kept0, equal0), (kept1, equal1) = launch(_construction_broadcasts, 2)
+    assert kept0 and not kept1 and equal0 and equal1
+
+
+def _count_allreduces_under_no_sync(k):
+    calls = []
+    real = dist.all_reduce
+    dist.all_reduce = lambda *a, **kw: (calls.append(1), real(*a, **kw))[1]
+    torch.manual_seed(0)
+    m = DDP(Tied(), bucket_cap_mb=0)
+    per_micro = []
+    for micro in range(k):
+        x, y = _data(micro)
+        if micro < k - 1:
+            with m.no_sync():
+                m(x, y).backward()
+        else:
+            m(x, y).backward()
+        per_micro.append(len(calls))
+    dist.all_reduce = real
+    return per_micro, len(m.buckets)
+
+
+def test_no_sync_communicates_only_at_the_boundary():
+    for per_micro, n_buckets in launch(_count_allreduces_under_no_sync, 2, 3):
+        assert per_micro == [0, 0, n_buckets]
+
+
+def _unused(find):
+    m = Tied()
+    m.extra = nn.Linear(3, 3)  # never used in forward
+    ddp = DDP(m, find_unused_parameters=find)
+    x, y = _data(0)
+    ddp(x, y).backward()
+    return torch.count_nonzero(m.extra.weight.grad).item()
+
+
+def test_unused_parameter_is_named_or_zero():
+    with pytest.raises(RuntimeError, match="extra.weight"):
+        launch(_unused, 2, False)
+    assert launch(_unused, 2, True) == [0, 0]
