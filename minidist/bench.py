@@ -57,7 +57,7 @@ def _time_collectives(ops, sizes, budget_s):
             times = {"ours": [], "torch": []}
             ours(), theirs()  # warm up: connections, allocations
             t_end, reps = time.perf_counter() + budget_s, 0
-            while reps < 3 or (time.perf_counter() < t_end and reps < 50):
+            while True:
                 for name, fn in (("ours", ours), ("torch", theirs)) if reps % 2 else (("torch", theirs), ("ours", ours)):
                     dist.barrier()
                     sync()
@@ -66,10 +66,11 @@ def _time_collectives(ops, sizes, budget_s):
                     sync()
                     times[name].append(time.perf_counter() - t0)
                 reps += 1
-                # every rank must agree on whether to go on, or they would deadlock
+                # every rank must take the same decision to go on, or they would deadlock:
+                # stop when any rank's time is up (at least 3 repetitions, at most 50)
                 flag = torch.tensor([float(time.perf_counter() < t_end)])
                 dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-                if reps >= 3 and flag.item() == 0:
+                if reps >= 50 or (reps >= 3 and flag.item() == 0):
                     break
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, times)
@@ -102,7 +103,7 @@ def collectives(args) -> dict:
         sizes, worlds, budget = [2 ** 10, 2 ** 16, 2 ** 20], [2], 0.05
     rows = []
     for n in worlds:
-        rows += launch(_time_collectives, n, ops, sizes, budget, timeout_s=600)[0]
+        rows += launch(_time_collectives, n, ops, sizes, budget, timeout_s=120)[0]
     for r in rows:
         f, _ = RING[r["op"]]
         for name in ("ours", "torch"):
