@@ -14,6 +14,7 @@ line per logged step and writes metrics.jsonl, loss.png and summary.json to --ou
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from minidist import data, metrics
-from minidist.ddp import allreduce_gradients_flat, allreduce_gradients_naive, broadcast_module
+from minidist.ddp import DDP, allreduce_gradients_flat, allreduce_gradients_naive, broadcast_module
 from minidist.dist import cleanup, init
 from minidist.model import GPT, PRESETS, GPTConfig, flops_per_token, num_params
 
@@ -61,8 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--eval-windows", type=int, default=64, help="sequences per mid-run evaluation")
     a("--final-eval-windows", type=int, help="sequences in the final evaluation (default: all)")
     a("--log-interval", type=int, help="steps between log lines")
-    a("--dp", default="flat", choices=["naive", "flat"],
-      help="gradient all-reduce after backward: one per parameter, or one flat buffer")
+    a("--dp", default="bucketed", choices=["naive", "flat", "bucketed"],
+      help="gradient averaging: one all-reduce per parameter after backward, one of a flat "
+           "buffer after backward, or buckets overlapped with backward (minidist.ddp.DDP)")
+    a("--bucket-cap-mb", type=float, default=25.0, help="bucket size for --dp bucketed")
+    a("--grad-accum-steps", type=int, default=1,
+      help="micro-steps per optimizer step; --batch-size is split over ranks and micro-steps")
     a("--seed", type=int, default=1337)
     a("--sample-tokens", type=int, default=120, help="tokens to generate at the end")
     a("--out-dir", default="out", help="where metrics.jsonl, loss.png, summary.json go")
@@ -88,9 +93,13 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
             p.error(f"--{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
     if args.warmup_steps < 0 or args.warmup_steps >= args.steps:
         p.error(f"--warmup-steps must be in [0, --steps), got {args.warmup_steps}")
-    if args.batch_size % world_size:
-        p.error(f"--batch-size {args.batch_size} does not divide across {world_size} ranks: "
-                f"use a multiple of {world_size}, e.g. {world_size * max(1, args.batch_size // world_size)}")
+    if args.grad_accum_steps < 1:
+        p.error(f"--grad-accum-steps must be >= 1, got {args.grad_accum_steps}")
+    parts = world_size * args.grad_accum_steps
+    if args.batch_size % parts:
+        p.error(f"--batch-size {args.batch_size} does not divide across {world_size} ranks x "
+                f"{args.grad_accum_steps} micro-steps: use a multiple of {parts}, "
+                f"e.g. {parts * max(1, args.batch_size // parts)}")
     if args.lr <= 0:
         p.error(f"--lr must be > 0, got {args.lr}")
     if bool(args.data) != bool(args.val_data):
@@ -105,6 +114,30 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
     except (ValueError, ImportError, FileNotFoundError) as e:
         p.error(str(e))
     return args
+
+
+def forward_backward(model, micro_batches, world_size: int, ddp: DDP | None = None) -> float:
+    """Gradients of one optimizer step over this rank's micro-batches; returns the loss.
+
+    The loss is normalised by the number of target tokens in the whole global batch (all
+    micro-steps, all ranks; targets of -1 are masked and do not count), so every token
+    weighs the same however the tokens fall across micro-batches and ranks. Gradient
+    averaging divides by world_size, so each rank scales its summed loss by world_size /
+    global_tokens. Under DDP, all micro-steps but the last run in no_sync(): no
+    communication until the gradients are complete.
+    """
+    count = torch.tensor([float(sum((y != -1).sum().item() for _, y in micro_batches))],
+                         device=micro_batches[0][0].device)
+    dist.all_reduce(count)  # tokens in the global batch: one tiny collective per step
+    total = torch.zeros((), device=count.device)
+    for i, (x, y) in enumerate(micro_batches):
+        sync = ddp is None or i == len(micro_batches) - 1
+        with (contextlib.nullcontext() if sync else ddp.no_sync()):
+            _, loss_sum = model(x, y, reduction="sum")
+            (loss_sum * (world_size / count)).backward()
+        total += loss_sum.detach()
+    dist.all_reduce(total)  # for the log: the global batch's mean loss per token
+    return (total / count).item()
 
 
 def lr_at(step: int, args) -> float:
@@ -175,12 +208,14 @@ def main(argv=None) -> dict:
                           if getattr(args, k) is not None}})
     model = GPT(cfg).to(info.device)
     broadcast_module(model)  # identical start on every rank, whatever the seeds did
+    ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb) if args.dp == "bucketed" else None
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-    train = data.TokenLoader(args.data, args.seq_len, args.batch_size, info.rank,
+    k = args.grad_accum_steps  # loader step s * k + m is micro-step m of optimizer step s
+    train = data.TokenLoader(args.data, args.seq_len, args.batch_size // k, info.rank,
                              info.world_size, args.seed)
     val = data.TokenLoader(args.val_data, args.seq_len, args.batch_size, info.rank,
                            info.world_size, args.seed)
@@ -191,7 +226,7 @@ def main(argv=None) -> dict:
     log(f"minidist | {info.world_size} x {info.device.type} ({info.backend}) | {args.preset}: "
         f"{num_params(model) / 1e6:.2f}M params, {cfg.n_layer}L {cfg.n_head}H {cfg.n_embd}d, "
         f"vocab {cfg.vocab_size} ({args.tokenizer}) | batch {args.batch_size} x {args.seq_len} "
-        f"tokens | {args.steps} steps | MFU vs {peak_src}")
+        f"tokens ({k} micro-steps) | dp {args.dp} | {args.steps} steps | MFU vs {peak_src}")
 
     out = Path(args.out_dir)
     rows, tput, t_start = [], metrics.Throughput(), time.perf_counter()
@@ -199,10 +234,10 @@ def main(argv=None) -> dict:
         lr = lr_at(step, args)
         for g in opt.param_groups:
             g["lr"] = lr
-        x, y = (t.to(info.device) for t in train.batch(step))
-        _, loss = model(x, y)
-        loss.backward()
-        (allreduce_gradients_flat if args.dp == "flat" else allreduce_gradients_naive)(model)
+        micro = [tuple(t.to(info.device) for t in train.batch(step * k + m)) for m in range(k)]
+        loss = forward_backward(ddp or model, micro, info.world_size, ddp)
+        if ddp is None:  # DDP has already averaged during backward
+            (allreduce_gradients_flat if args.dp == "flat" else allreduce_gradients_naive)(model)
         if args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         opt.step()
@@ -211,9 +246,7 @@ def main(argv=None) -> dict:
 
         last = step == args.steps - 1
         if step == 0 or last or (step + 1) % args.log_interval == 0 or (step + 1) % args.eval_interval == 0:
-            loss_avg = loss.detach().clone()
-            dist.all_reduce(loss_avg)
-            row = {"step": step + 1, "loss": loss_avg.item() / info.world_size, "lr": lr}
+            row = {"step": step + 1, "loss": loss, "lr": lr}
             rate = tput.rate()  # training only: evaluation below is not counted
             if (step + 1) % args.eval_interval == 0 and not last:
                 row["val_loss"], _ = evaluate(model, val, info, tok_bytes, args.eval_windows)

@@ -19,13 +19,21 @@ def _train(argv):
     return train_gpt.main(argv)
 
 
-@pytest.mark.parametrize("dp, world", [("flat", 2), ("naive", 2), ("flat", 4)])
-def test_data_parallel_equals_one_process(tmp_path, dp, world):
-    """Each of `world` ranks sees batch/world sequences; averaged gradients must give the
-    same trajectory as one process on the whole batch (fp32: equal up to summation order)."""
-    argv = TINY + ["--steps", "6", "--batch-size", "8", "--eval-interval", "100", "--dp", dp]
-    one = launch(_train, 1, argv + ["--out-dir", str(tmp_path / "one")])[0]
-    many = launch(_train, world, argv + ["--out-dir", str(tmp_path / "many")])
+_REFERENCE = {}
+
+
+@pytest.mark.parametrize("dp, world, accum", [("naive", 2, 1), ("flat", 2, 2), ("bucketed", 2, 1),
+                                              ("bucketed", 4, 2)])
+def test_data_parallel_equals_one_process(tmp_path, dp, world, accum):
+    """`world` ranks x `accum` micro-steps, each micro-batch batch/(world*accum) sequences:
+    averaged gradients must give the trajectory of one process on the whole batch
+    (fp32: equal up to summation order)."""
+    argv = TINY + ["--steps", "6", "--batch-size", "8", "--eval-interval", "100"]
+    if "one" not in _REFERENCE:  # the oracle does not depend on the case: compute it once
+        _REFERENCE["one"] = launch(_train, 1, argv + ["--dp", "flat", "--out-dir", str(tmp_path / "one")])[0]
+    one = _REFERENCE["one"]
+    many = launch(_train, world, argv + ["--dp", dp, "--grad-accum-steps", str(accum),
+                                         "--out-dir", str(tmp_path / "many")])
     losses = lambda s: [r["loss"] for r in s["rows"] if "loss" in r]
     assert len(losses(one)) == 6
     for s in many:
@@ -54,6 +62,7 @@ def test_torchrun_end_to_end(tmp_path):
 
 @pytest.mark.parametrize("extra, message", [
     (["--batch-size", "3"], "does not divide across 2 ranks"),
+    (["--batch-size", "4", "--grad-accum-steps", "4"], "use a multiple of 8"),
     (["--dp", "bogus"], "invalid choice: 'bogus'"),
     (["--tokenizer", "sentencepiece"], "unknown tokenizer"),
     (["--warmup-steps", "50", "--steps", "10"], "--warmup-steps must be in"),
