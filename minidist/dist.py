@@ -168,7 +168,7 @@ def _reraise(rank: int, world_size: int, info):
 
 
 def launch(fn, world_size: int, *args, backend: str | None = None, device: str | None = None,
-           timeout_s: float = 120.0, grace_s: float = 1.0):
+           timeout_s: float = 120.0, grace_s: float = 1.0, deadline_s: float | None = None):
     """Run fn(*args) in `world_size` new processes, each in one process group; return
     the list of return values, indexed by rank.
 
@@ -178,6 +178,10 @@ def launch(fn, world_size: int, *args, backend: str | None = None, device: str |
     to finish, then are stopped. `fn` may be defined in a notebook (see _dumps). Output
     printed by the children goes to the terminal that started Python, which in Jupyter is
     not the notebook: return what you want to show.
+
+    `timeout_s` bounds each collective (and the rendezvous); `deadline_s`, if given, bounds
+    the whole call: past it the processes are stopped and LaunchError says so (a loop that
+    never ends involves no collective, so only a deadline can catch it).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -197,9 +201,14 @@ def launch(fn, world_size: int, *args, backend: str | None = None, device: str |
     for p in procs:
         p.start()
     outputs, failure, failed_at, reported = {}, None, None, set()
+    t_end = None if deadline_s is None else time.monotonic() + deadline_s
     try:
         while len(outputs) < world_size:
             if failure is not None and time.monotonic() - failed_at > grace_s:
+                break
+            if t_end is not None and time.monotonic() > t_end and failure is None:
+                late = [r for r in range(world_size) if r not in outputs]
+                failure, failed_at = (late[0], "deadline", deadline_s), time.monotonic()
                 break
             try:
                 rank, status, blob = results.get(timeout=0.2)
@@ -223,7 +232,7 @@ def launch(fn, world_size: int, *args, backend: str | None = None, device: str |
         # A child that died without a report is the likeliest root cause: the others'
         # errors ("connection closed by peer") are usually its consequence.
         silent = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in reported]
-        if silent:
+        if silent and (failure is None or failure[1] != "deadline"):
             failure = (silent[0], "died", procs[silent[0]].exitcode)
     finally:
         for p in procs:
@@ -236,6 +245,9 @@ def launch(fn, world_size: int, *args, backend: str | None = None, device: str |
         results.close()
     if failure is not None:
         rank, status, info = failure
+        if status == "deadline":
+            raise LaunchError(f"rank {rank} of {world_size} was still running after the "
+                              f"deadline of {info:.0f}s and was stopped")
         if status == "died":
             raise LaunchError(f"rank {rank} of {world_size} exited with code {info} without "
                               "reporting an error (killed, out of memory, or os._exit?)")

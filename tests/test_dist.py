@@ -75,6 +75,18 @@ def test_init_without_torchrun_is_a_world_of_one(python):
     assert r.stdout.split() == ["0", "1", "gloo", "cpu", "[1.0,", "1.0]"]
 
 
+def _spins_forever():
+    while True:
+        time.sleep(0.05)
+
+
+def test_deadline_stops_a_run_that_never_ends():
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match="still running after the deadline of 3s"):
+        launch(_spins_forever, 2, deadline_s=3)
+    assert time.monotonic() - t0 < 20
+
+
 def test_bad_world_size():
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         launch(_who_and_sum, 0, 0.0)
