@@ -79,9 +79,11 @@ def _wait(work, verb: str, peer: int, what: str) -> None:
     try:
         work.wait(_timeout())
     except RuntimeError as e:
-        raise TimeoutError(f"{what}: rank {dist.get_rank()} could not {verb} rank {peer} "
-                           f"within {_timeout().total_seconds():.0f}s; did every rank call "
-                           f"the same collective? ({e})") from e
+        where = f"{what}: rank {dist.get_rank()} could not {verb} rank {peer}"
+        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+            raise TimeoutError(f"{where} within {_timeout().total_seconds():.0f}s; did every "
+                               f"rank call the same collective? ({e})") from e
+        raise RuntimeError(f"{where}: {e}") from e  # e.g. the peer died
 
 
 def _ring_neighbours() -> tuple[int, int, int, int]:
@@ -174,19 +176,19 @@ def reduce_scatter(output: torch.Tensor, input, op: str = "sum") -> torch.Tensor
     """output = the sum over ranks of this rank's block of `input`.
 
     `input` is a list of N tensors (block i goes to rank i, as torch's reduce_scatter) or
-    one tensor of N * output.numel() elements (as torch's reduce_scatter_tensor). `input`
-    is used as scratch space and left holding partial sums.
+    one tensor of N * output.numel() elements (as torch's reduce_scatter_single). `input`
+    is left unchanged, as torch leaves it: the ring works on a copy.
     """
     n, r = dist.get_world_size(), dist.get_rank()
     if isinstance(input, (list, tuple)):
         if len(input) != n:
             raise ValueError(f"reduce_scatter needs {n} input tensors (one per rank), got {len(input)}")
-        chunks = [t.view(-1) for t in input]
+        chunks = [t.reshape(-1).clone() for t in input]
     else:
         if input.numel() != n * output.numel():
             raise ValueError(f"reduce_scatter input has {input.numel()} elements; it needs "
                              f"world_size * output.numel() = {n * output.numel()}")
-        chunks = list(input.view(-1).chunk(n))
+        chunks = list(input.reshape(-1).clone().chunk(n))
     if chunks[r].numel() != output.numel():
         raise ValueError(f"rank {r}'s block has {chunks[r].numel()} elements, output {output.numel()}")
     _check_op(op, output)
@@ -200,7 +202,7 @@ def reduce_scatter(output: torch.Tensor, input, op: str = "sum") -> torch.Tensor
 @torch.no_grad()
 def all_gather(output, input: torch.Tensor):
     """Every rank receives every rank's `input`: into a list of N tensors (as torch's
-    all_gather) or into one tensor of N * input.numel() elements (as all_gather_into_tensor)."""
+    all_gather) or into one tensor of N * input.numel() elements (as all_gather_single)."""
     n, r = dist.get_world_size(), dist.get_rank()
     if isinstance(output, (list, tuple)):
         if len(output) != n:

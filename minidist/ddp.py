@@ -106,8 +106,8 @@ class DDP(nn.Module):
       `loss.backward(); opt.step()` loop needs nothing more.
     - A trainable parameter that got no gradient is an error naming it, unless
       `find_unused_parameters=True`, which treats its gradient as zero.
-    - `no_sync()` skips communication: gradients accumulate locally until the first
-      backward outside it.
+    - `no_sync()` skips communication: gradients accumulate locally until the backward
+      of the first forward outside it (as in torch, the forward's context decides).
     - `overlap=False` waits until backward ends before communicating anything (the
       benchmark's baseline for how much communication overlap hides).
 
@@ -131,7 +131,7 @@ class DDP(nn.Module):
         self.buckets = self._make_buckets(list(reversed(named)), bucket_cap_mb)
         self._where = {id(p): (b, i) for b, bucket in enumerate(self.buckets)
                        for i, p in enumerate(bucket.params)}
-        self._sync, self._next, self._callback_queued = True, 0, False
+        self._sync, self._sync_backward, self._next, self._callback_queued = True, True, 0, False
         for _, p in named:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
@@ -151,11 +151,17 @@ class DDP(nn.Module):
         return [_Bucket([p for _, p in b], [n for n, _ in b]) for b in buckets]
 
     def forward(self, *args, **kwargs):
+        if self._callback_queued:  # the last backward was interrupted (an exception)
+            self._reset()
+        # as in torch's DDP, the forward decides: a forward run inside no_sync() makes its
+        # backward skip communication, wherever that backward runs
+        self._sync_backward = self._sync
         return self.module(*args, **kwargs)
 
     @contextmanager
     def no_sync(self):
-        """Backward passes inside accumulate gradients locally, with no communication."""
+        """Forward (and backward) passes inside accumulate gradients locally, with no
+        communication; the first backward of a forward outside it averages them all."""
         old, self._sync = self._sync, False
         try:
             yield
@@ -165,7 +171,7 @@ class DDP(nn.Module):
     # -- during backward
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if not self._sync:
+        if not self._sync_backward:
             return
         if not self._callback_queued:
             self._callback_queued = True

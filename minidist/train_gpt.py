@@ -126,15 +126,18 @@ def forward_backward(model, micro_batches, world_size: int, ddp: DDP | None = No
     global_tokens. Under DDP, all micro-steps but the last run in no_sync(): no
     communication until the gradients are complete.
     """
+    # tokens in the global batch: one tiny collective per step (float64: exact counts)
     count = torch.tensor([float(sum((y != -1).sum().item() for _, y in micro_batches))],
-                         device=micro_batches[0][0].device)
-    dist.all_reduce(count)  # tokens in the global batch: one tiny collective per step
-    total = torch.zeros((), device=count.device)
+                         dtype=torch.float64, device=micro_batches[0][0].device)
+    dist.all_reduce(count)
+    if count.item() == 0:
+        raise ValueError("every target in this global batch is masked (-1): nothing to learn from")
+    total = torch.zeros((), dtype=torch.float64, device=count.device)
     for i, (x, y) in enumerate(micro_batches):
         sync = ddp is None or i == len(micro_batches) - 1
         with (contextlib.nullcontext() if sync else ddp.no_sync()):
             _, loss_sum = model(x, y, reduction="sum")
-            (loss_sum * (world_size / count)).backward()
+            (loss_sum * (world_size / count.item())).backward()
         total += loss_sum.detach()
     dist.all_reduce(total)  # for the log: the global batch's mean loss per token
     return (total / count).item()

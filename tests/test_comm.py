@@ -58,7 +58,9 @@ def _all_collectives():
                 full = inp.clone()
                 dist.all_reduce(full)
                 out = torch.empty(size, dtype=dtype)
-                comm.reduce_scatter(out, inp.clone(), op=op)
+                kept = inp.clone()
+                comm.reduce_scatter(out, inp, op=op)
+                assert torch.equal(inp, kept)  # like torch's, the input is left as it was
                 want = full[r * size:(r + 1) * size]
                 if op == "avg":
                     want = (want.float() / n).to(dtype)

@@ -137,3 +137,23 @@ def test_unused_parameter_is_named_or_zero():
     with pytest.raises(RuntimeError, match="extra.weight"):
         launch(_unused, 2, False)
     assert launch(_unused, 2, True) == [0, 0]
+
+
+def _forward_decides():
+    calls = []
+    real = dist.all_reduce
+    dist.all_reduce = lambda *a, **kw: (calls.append(1), real(*a, **kw))[1]
+    torch.manual_seed(0)
+    m = DDP(Tied(), bucket_cap_mb=None)
+    x, y = _data(0)
+    with m.no_sync():
+        loss = m(x, y)
+    loss.backward()  # outside the context, but its forward was inside: no communication
+    quiet = len(calls)
+    m(x, y).backward()
+    dist.all_reduce = real
+    return quiet, len(calls)
+
+
+def test_the_forward_decides_like_torch_ddp():
+    assert launch(_forward_decides, 2) == [(0, 1), (0, 1)]

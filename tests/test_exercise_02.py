@@ -1,0 +1,244 @@
+"""Exercise 02's grader catches the classic mistakes of a ring all-reduce, each in the
+check it belongs to, and a ring that hangs fails its checks instead of hanging the grader.
+
+(tests/test_exercises.py proves for every exercise that the stubs score 0 and minidist
+scores full.) Each mistake runs on 3 ranks only, the smallest world where a ring going
+the wrong way differs from one going the right way; the grader itself runs 2, 3 and 4.
+The mistaken functions live at module level: cloudpickle ships them to the ranks by name.
+"""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from exercises import checks_02 as C
+from exercises import grade as G
+
+ref_rs, ref_ag = C.reference_ring_reduce_scatter, C.reference_ring_all_gather
+
+
+def _sendrecv(send, dst, recv, src):
+    works = [dist.irecv(recv, src), dist.isend(send, dst)]
+    for w in works:
+        w.wait()
+
+
+def _all_reduce_via(tensor, reduce_scatter, all_gather):
+    chunks = list(torch.tensor_split(tensor.view(-1), dist.get_world_size()))
+    reduce_scatter(chunks)
+    all_gather(chunks)
+    return tensor
+
+
+# -- 0. a plain solution, written the way the exercise asks: full marks
+
+def rs_plain(chunks):
+    r, n = dist.get_rank(), dist.get_world_size()
+    for k in range(n - 1):
+        acc = chunks[(r - k - 2) % n]
+        buf = torch.empty_like(acc)
+        _sendrecv(chunks[(r - k - 1) % n], (r + 1) % n, buf, (r - 1) % n)
+        acc.add_(buf)
+
+
+def ag_plain(chunks):
+    r, n = dist.get_rank(), dist.get_world_size()
+    for k in range(n - 1):
+        _sendrecv(chunks[(r - k) % n], (r + 1) % n, chunks[(r - k - 1) % n], (r - 1) % n)
+
+
+def ar_plain(tensor):
+    return _all_reduce_via(tensor, rs_plain, ag_plain)
+
+
+# -- 1. the last reduce-scatter step stores the received partial sum instead of adding to it
+
+def rs_copies_on_last_step(chunks):
+    r, n = dist.get_rank(), dist.get_world_size()
+    for k in range(n - 1):
+        acc = chunks[(r - k - 2) % n]
+        buf = torch.empty_like(acc)
+        _sendrecv(chunks[(r - k - 1) % n], (r + 1) % n, buf, (r - 1) % n)
+        if k < n - 2:
+            acc.add_(buf)
+        else:
+            acc.copy_(buf)  # the mistake: this rank's own contribution is lost
+
+
+def ar_copies_on_last_step(tensor):
+    return _all_reduce_via(tensor, rs_copies_on_last_step, ref_ag)
+
+
+# -- 2. the ring turned around (send left, receive from the right), indices left as they
+#       were: sends meet receives of other sizes, and gloo aborts the rank
+
+def rs_wrong_neighbour(chunks):
+    r, n = dist.get_rank(), dist.get_world_size()
+    for k in range(n - 1):
+        acc = chunks[(r - k - 2) % n]
+        buf = torch.empty_like(acc)
+        _sendrecv(chunks[(r - k - 1) % n], (r - 1) % n, buf, (r + 1) % n)
+        acc.add_(buf)
+
+
+def ag_wrong_neighbour(chunks):
+    r, n = dist.get_rank(), dist.get_world_size()
+    for k in range(n - 1):
+        _sendrecv(chunks[(r - k) % n], (r - 1) % n, chunks[(r - k - 1) % n], (r + 1) % n)
+
+
+def ar_wrong_neighbour(tensor):
+    return _all_reduce_via(tensor, rs_wrong_neighbour, ag_wrong_neighbour)
+
+
+# -- 2b. the mirror image: a correct ring going left. Right numbers, but not the ring asked
+#        for (and in chapter 03 the direction matters), so the byte count says so
+
+def rs_mirrored(chunks):
+    r, n = dist.get_rank(), dist.get_world_size()
+    for k in range(n - 1):
+        acc = chunks[(r + k + 2) % n]
+        buf = torch.empty_like(acc)
+        _sendrecv(chunks[(r + k + 1) % n], (r - 1) % n, buf, (r + 1) % n)
+        acc.add_(buf)
+
+
+def ag_mirrored(chunks):
+    r, n = dist.get_rank(), dist.get_world_size()
+    for k in range(n - 1):
+        _sendrecv(chunks[(r + k) % n], (r - 1) % n, chunks[(r + k + 1) % n], (r + 1) % n)
+
+
+def ar_mirrored(tensor):
+    return _all_reduce_via(tensor, rs_mirrored, ag_mirrored)
+
+
+# -- 3. torch's all_reduce: right numbers, wrong exercise
+
+def ar_torch(tensor):
+    dist.all_reduce(tensor)
+    return tensor
+
+
+# -- 4. everything to rank 0 and back: point-to-point and right, but rank 0 sends (N-1)*S
+
+def ar_through_rank_0(tensor):
+    r, n = dist.get_rank(), dist.get_world_size()
+    if r == 0:
+        buf = torch.empty_like(tensor)
+        for src in range(1, n):
+            dist.recv(buf, src)
+            tensor.add_(buf)
+        for dst in range(1, n):
+            dist.send(tensor, dst)
+    else:
+        dist.send(tensor, 0)
+        dist.recv(tensor, 0)
+    return tensor
+
+
+# -- 5. blocking send before receive: every rank waits for a receiver that is sending too
+
+def ag_blocking_send_first(chunks):
+    r, n = dist.get_rank(), dist.get_world_size()
+    for k in range(n - 1):
+        dist.send(chunks[(r - k) % n], (r + 1) % n)
+        dist.recv(chunks[(r - k - 1) % n], (r - 1) % n)
+
+
+def ar_blocking_send_first(tensor):
+    return _all_reduce_via(tensor, ref_rs, ag_blocking_send_first)
+
+
+# -- 6. polling a receive that never completes: no gloo timeout would ever see it
+
+def ar_polls_forever(tensor):
+    r, n = dist.get_rank(), dist.get_world_size()
+    work = dist.irecv(torch.empty(1), (r + 1) % n)  # nobody sends it
+    while not work.is_completed():
+        time.sleep(0.01)
+    return tensor
+
+
+# The checks, by a word of their names.
+CHECK = {"rs": "ring_reduce_scatter", "ag": "ring_all_gather", "fp32": "all_reduce float32",
+         "bf16": "all_reduce bfloat16", "p2p": "isend/irecv", "ring": "is a ring"}
+
+MISTAKES = {
+    # name: (overrides, checks that must fail, a phrase each failure message contains)
+    "no add on the last step": (
+        dict(ring_reduce_scatter=rs_copies_on_last_step, all_reduce=ar_copies_on_last_step),
+        {"rs", "fp32", "bf16"}, "the sum over ranks is"),
+    "sends to the left, indices unchanged": (
+        dict(ring_reduce_scatter=rs_wrong_neighbour, ring_all_gather=ag_wrong_neighbour,
+             all_reduce=ar_wrong_neighbour),
+        set(CHECK), "a send met the wrong receive"),
+    "a ring going left": (
+        dict(ring_reduce_scatter=rs_mirrored, ring_all_gather=ag_mirrored, all_reduce=ar_mirrored),
+        {"ring"}, "sends only to its right neighbour"),
+    "dist.all_reduce": (dict(all_reduce=ar_torch), {"p2p", "ring"}, "collective"),
+    "through rank 0": (dict(all_reduce=ar_through_rank_0), {"ring"}, "sent"),
+}
+
+
+def _failed(result):
+    failed = {c.name: c.message for c in result.checks if not c.ok}
+    return {k for k, v in CHECK.items() if any(v in name for name in failed)}, failed
+
+
+@pytest.fixture
+def three_ranks(monkeypatch):
+    monkeypatch.setattr(C, "WORLD_SIZES", (3,))
+
+
+def test_a_plain_solution_scores_full(three_ranks):
+    r = G.grade("02", overrides=dict(ring_reduce_scatter=rs_plain, ring_all_gather=ag_plain,
+                                     all_reduce=ar_plain))
+    assert r.points == r.max_points, {c.name: c.message for c in r.checks if not c.ok}
+
+
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+def test_mistake_loses_the_points_of_its_checks(mistake, three_ranks):
+    overrides, must_fail, phrase = MISTAKES[mistake]
+    r = G.grade("02", reference=True, overrides=overrides)
+    which, messages = _failed(r)
+    assert which == must_fail, messages
+    assert r.points == sum(c.points for c in r.checks if c.ok) < r.max_points
+    for name, msg in messages.items():
+        assert phrase in msg and "not implemented" not in msg, (name, msg)
+
+
+def test_a_deadlock_fails_its_checks_within_the_timeout(three_ranks, monkeypatch):
+    monkeypatch.setattr(C, "TIMEOUT_S", 8.0)
+    t0 = time.monotonic()
+    overrides = dict(ring_all_gather=ag_blocking_send_first, all_reduce=ar_blocking_send_first)
+    r = G.grade("02", reference=True, overrides=overrides)
+    which, messages = _failed(r)
+    # reduce-scatter still earns its points; the rest hang, so fail, saying why
+    assert which == {"ag", "fp32", "bf16", "p2p", "ring"}, messages
+    assert all("timed out" in m and "deadlocked" in m for m in messages.values()), messages
+    # two hangs (all-gather, then all_reduce in a fresh launch; the ring part is skipped)
+    # and three launches of a few seconds each, even on a busy machine
+    assert time.monotonic() - t0 < 2 * 8 + 120, time.monotonic() - t0
+
+
+def test_an_endless_loop_is_stopped_by_the_watchdog(three_ranks, monkeypatch):
+    monkeypatch.setattr(C, "TIMEOUT_S", 8.0)
+    r = G.grade("02", reference=True, overrides=dict(all_reduce=ar_polls_forever))
+    which, messages = _failed(r)
+    assert which == {"fp32", "bf16", "p2p", "ring"}, messages
+    assert all("timed out" in m and "still running after 8s" in m
+               for m in messages.values()), messages
+
+
+def test_results_are_cached_per_implementation(three_ranks, monkeypatch):
+    runs = []
+    real = C._run_all
+    monkeypatch.setattr(C, "_run_all", lambda fns: runs.append(fns) or real(fns))
+    G.grade("02", reference=True)
+    G.grade("02", reference=True)  # the same functions: no new launch
+    assert len(runs) == 1
+    G.grade("02", reference=True, overrides=dict(all_reduce=ar_torch))
+    assert len(runs) == 2
