@@ -1,10 +1,13 @@
 """Data parallelism: every rank holds the whole model, sees its own part of the batch,
 and averages gradients with the others before the optimizer step.
 
-Chapter 03 (chapters/03_data_parallel.md) builds this up from the simplest correct
-version, which is what is here so far and what chapter 01's training run uses:
-all-reduce every gradient, one parameter at a time, after backward has finished.
-Exercised by `torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py`.
+Chapter 03 (chapters/03_data_parallel.md) builds it up in three steps, all runnable:
+- `allreduce_gradients_naive`: one all-reduce per parameter after backward;
+- `allreduce_gradients_flat`: one all-reduce of one flat buffer after backward;
+- `DDP`: buckets all-reduced asynchronously while backward is still running, with
+  `no_sync()` for gradient accumulation (chapter 04).
+Exercised by `torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py` (which uses
+DDP by default; `--dp naive|flat` for the others) and by tests/test_ddp.py.
 """
 
 from __future__ import annotations

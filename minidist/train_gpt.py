@@ -127,8 +127,7 @@ def forward_backward(model, micro_batches, world_size: int, ddp: DDP | None = No
     communication until the gradients are complete.
     """
     # tokens in the global batch: one tiny collective per step (float64: exact counts)
-    count = torch.tensor([float(sum((y != -1).sum().item() for _, y in micro_batches))],
-                         dtype=torch.float64, device=micro_batches[0][0].device)
+    count = sum((y != -1).sum() for _, y in micro_batches).double().reshape(1)
     dist.all_reduce(count)
     if count.item() == 0:
         raise ValueError("every target in this global batch is masked (-1): nothing to learn from")
@@ -229,7 +228,7 @@ def main(argv=None) -> dict:
     log(f"minidist | {info.world_size} x {info.device.type} ({info.backend}) | {args.preset}: "
         f"{num_params(model) / 1e6:.2f}M params, {cfg.n_layer}L {cfg.n_head}H {cfg.n_embd}d, "
         f"vocab {cfg.vocab_size} ({args.tokenizer}) | batch {args.batch_size} x {args.seq_len} "
-        f"tokens ({k} micro-steps) | dp {args.dp} | {args.steps} steps | MFU vs {peak_src}")
+        f"tokens ({k} micro-step{'s' if k > 1 else ''}) | dp {args.dp} | {args.steps} steps | MFU vs {peak_src}")
 
     out = Path(args.out_dir)
     rows, tput, t_start = [], metrics.Throughput(), time.perf_counter()
