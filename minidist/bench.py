@@ -166,12 +166,14 @@ def _time_ddp(variants, steps, rounds, cfg_kw, per_rank_batch, seq_len):
 
     from minidist.ddp import DDP, allreduce_gradients_flat, allreduce_gradients_naive
     from minidist.model import GPT, GPTConfig
+    device = torch.device("cuda", dist.get_rank()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.manual_seed(0)
     cfg = GPTConfig(**cfg_kw)
-    x = torch.randint(0, cfg.vocab_size, (per_rank_batch, seq_len))
+    x = torch.randint(0, cfg.vocab_size, (per_rank_batch, seq_len), device=device)
     runners = {}
     for name in variants:
-        model = GPT(cfg)
+        model = GPT(cfg).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         post, ctx = (lambda: None), contextlib.nullcontext
         if name == "torch_ddp":
@@ -202,9 +204,11 @@ def _time_ddp(variants, steps, rounds, cfg_kw, per_rank_batch, seq_len):
     for _ in range(rounds):
         for n in variants:
             dist.barrier()
+            sync()
             t0 = time.perf_counter()
             for _ in range(steps):
                 step(n)
+            sync()
             times[n].append((time.perf_counter() - t0) / steps)
     return {n: statistics.median(t) for n, t in times.items()} if dist.get_rank() == 0 else None
 
@@ -213,7 +217,7 @@ def ddp(args) -> dict:
     from minidist.model import PRESETS
     from minidist.train_gpt import AUTO
     cfg_kw = dict(PRESETS["tiny"], vocab_size=2048)  # train_gpt's CPU default model
-    world, steps, rounds = 2, 4, 5
+    world, steps, rounds = 2, 2, 12  # many short rounds: load drifts hit every variant alike
     global_batch, seq_len = AUTO["cpu"]["batch_size"], cfg_kw["block_size"]
     caps = ["0", "0.25", "0.5", "1", "2", "None"]
     if args.quick:

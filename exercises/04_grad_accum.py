@@ -1,0 +1,83 @@
+"""Exercise 04: gradient accumulation, with every token weighing the same.
+
+Chapter 04 (chapters/04_grad_accum.md) trains on a batch larger than fits in memory:
+each rank runs forward and backward on several micro-batches one after another and lets
+the gradients add up in p.grad, then takes one optimizer step. Done right, the step is
+the one a single process would take on the whole global batch (all micro-batches of all
+ranks). Two things make that so, and both are easy to get wrong:
+
+1. The loss is a mean over target tokens, and targets of -1 are masked (padding, the end
+   of a document) and do not count, so micro-batches hold different numbers of tokens.
+   The mean of per-micro-batch means weighs a token of a short micro-batch more than one
+   of a long micro-batch. Sum the per-token losses instead (`reduction="sum"`) and divide
+   by the number of unmasked targets in the whole global batch: all micro-batches, all
+   ranks (a dist.all_reduce of the count).
+2. Under DDP, gradient communication belongs to the last micro-step only: the earlier
+   ones run inside `ddp.no_sync()`, where backward accumulates locally and all-reduces
+   nothing. The last backward, outside it, all-reduces the accumulated sums once.
+
+DDP averages gradients over ranks (divides the sum by the world size). So that the
+result is the global batch's mean, scale each rank's summed loss by
+world_size / global_token_count before backward: the division by world_size undoes
+the multiplication, and what is left is the sum over all tokens of the global batch,
+divided by their number.
+
+Implement accumulate() below, replacing the `raise NotImplementedError(...)`.
+
+Rules:
+- The model is minidist.model.GPT (or a wrapper of it): `model(x, y, reduction="sum")`
+  returns (logits, summed loss over the unmasked targets of the micro-batch).
+- `ddp` is minidist.ddp.DDP (the grader's, not exercise 03's) or None. With None, the
+  caller averages the gradients over ranks afterwards (for instance with
+  minidist.ddp.allreduce_gradients_flat): prepare them exactly as for DDP.
+- Communicate only through torch.distributed (dist.all_reduce), never gradients yourself.
+  The grader counts which all-reduces happen in which micro-step.
+
+The grader checks, against one process computing the loss of the whole global batch in
+one go (`model(x, y)`, the mean over its unmasked targets): 1 rank with 3 micro-batches,
+2 ranks with 2 micro-steps each, under DDP and without; micro-batches and ranks with
+very different numbers of unmasked targets; float32, equal up to rounding. Grade your
+work with
+
+    python -m exercises.grade 04
+
+(it starts 1 and 2 processes on this machine), and see what full marks look like with
+`python -m exercises.grade 04 --reference`, which grades minidist's own implementation
+(named in REFERENCE below) instead of yours.
+"""
+
+from __future__ import annotations
+
+import contextlib  # noqa: F401 - for you: contextlib.nullcontext()
+
+import torch
+import torch.distributed as dist  # noqa: F401 - for you: all_reduce
+
+
+def accumulate(model, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], world_size: int,
+               ddp=None) -> float:
+    """Forward and backward over this rank's micro-batches; return the global mean loss.
+
+    `micro_batches` holds (x, y) pairs, inputs and targets of shape (B, T), targets of -1
+    masked. Afterwards p.grad holds (on each rank, before averaging over ranks)
+    world_size / N times the sum of this rank's per-token loss gradients, N being the
+    number of unmasked targets of the global batch, so that the average over ranks is
+    the gradient of the global batch's mean loss. `model` is what to call forward on (the
+    DDP wrapper when there is one, else the bare GPT); `ddp` the DDP wrapper or None.
+
+    Return the global batch's mean loss per unmasked target, a Python float, the same on
+    every rank: the sum of every rank's summed losses, divided by N.
+    """
+    raise NotImplementedError(
+        "accumulate: first N, the unmasked targets (y != -1) of your micro-batches, summed "
+        "over ranks with dist.all_reduce (a float tensor); then for each micro-batch "
+        "backward of its summed loss (reduction='sum') times world_size / N, inside "
+        "ddp.no_sync() for all but the last when ddp is given (contextlib.nullcontext() "
+        "otherwise); return the all-reduced sum of the summed losses over N, as a float")
+
+
+# Where minidist implements it; `python -m exercises.grade 04 --reference` grades it
+# instead of the stub above. Leave it as it is.
+REFERENCE = {
+    "accumulate": "minidist.train_gpt:forward_backward",
+}

@@ -1,0 +1,181 @@
+"""Run graded parts of an exercise in processes started by minidist.dist.launch.
+
+Multi-process checks (exercises 03, 04) share this: starting processes is the slow part
+(seconds per launch on a small CPU), so one launch per world size runs every "part" (a
+function `part(fns, rank, world_size) -> picklable result`, one per thing to measure)
+and the checks read their results from a cache, computed once per implementation.
+
+A part that hangs or crashes may leave messages in flight that would corrupt whatever
+runs after it, so its launch stops there: after a crash a fresh launch runs the parts
+after it; after a hang they are not run (they would most likely hang as well, each
+costing the whole timeout), and fail saying why. The gloo process group's timeout turns
+a rank that waits on a message forever into an error, and a watchdog does the same for a
+rank stuck in Python (an endless loop). A part that fails at one world size is not run
+at the next: its check fails at the first world size that goes wrong anyway.
+"""
+
+from __future__ import annotations
+
+import _thread
+import os
+import pickle
+import tempfile
+import threading
+
+import torch.distributed as dist
+
+from minidist.dist import LaunchError, launch
+
+
+class PartFailed(RuntimeError):
+    """Raised on a rank whose part could not finish; its message is already explained."""
+
+
+def explain(e: BaseException, timeout_s: float, hang_hint: str = "") -> str:
+    """What went wrong in a rank (or, for a launch that failed, in the parent)."""
+    text = f"{type(e).__name__}: {e}"
+    if isinstance(e, PartFailed):
+        return str(e)
+    if "timed out" in text.lower() or isinstance(e, TimeoutError):
+        return (f"timed out: a rank waited more than {timeout_s:.0f}s for a collective that "
+                f"the other ranks did not join (a hang). {hang_hint} ({text})")
+    if isinstance(e, LaunchError) and "code -6" in text:  # SIGABRT
+        return (f"{text}. Most likely gloo aborted it because the ranks' collectives did not "
+                "match (different sizes or a different order on different ranks)")
+    return text
+
+
+def _hung(why: str) -> bool:
+    # explain()'s words for a hang (a rank's message comes prefixed with "[rank r of n] ")
+    return "timed out: a rank waited" in why or "was still busy after" in why
+
+
+def _run_part(part, fns: dict, r: int, n: int, timeout_s: float, hang_hint: str):
+    """("ok", result) | ("notimpl", hint) | ("error", why), on this rank."""
+    # gloo's timeout ends a wait on a message that never comes; this ends what it cannot
+    # see, such as a loop polling work.is_completed() forever
+    limit = timeout_s + 10
+    watchdog = threading.Timer(limit, _thread.interrupt_main)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        return "ok", part(fns, r, n)
+    except NotImplementedError as e:
+        return "notimpl", str(e)
+    except KeyboardInterrupt:
+        return "error", f"rank {r} was still busy after {limit:.0f}s (an endless loop?)"
+    except Exception as e:
+        return "error", explain(e, timeout_s, hang_hint)
+    finally:
+        watchdog.cancel()
+
+
+def _worker(fns: dict, parts: list, timeout_s: float, hang_hint: str, progress: str) -> dict:
+    """Run `parts` [(name, function)] in order on this rank; return {name: [outcome of
+    each rank]}. After each part rank 0 writes what is done so far to the file `progress`:
+    when a part hangs or a rank dies, launch raises and returns nothing, and the parent
+    learns from the file which parts finished."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    done = {}
+    for name, part in parts:
+        outcome = _run_part(part, fns, r, n, timeout_s, hang_hint)
+        if outcome[0] == "error":
+            raise PartFailed(outcome[1])  # stop: messages in flight could corrupt the next part
+        # every rank learns every rank's outcome; none starts the next part before all
+        # have finished this one
+        gathered = [None] * n
+        dist.all_gather_object(gathered, outcome)
+        done[name] = gathered
+        if r == 0:
+            with open(progress + ".tmp", "wb") as f:
+                pickle.dump(done, f)
+            os.replace(progress + ".tmp", progress)
+    return done
+
+
+def _summary(outcomes: list, n: int) -> tuple[str, object]:
+    for r, (kind, payload) in enumerate(outcomes):
+        if kind != "ok":
+            return kind, f"[rank {r} of {n}] {payload}" if kind == "error" else payload
+    return "ok", [payload for _, payload in outcomes]
+
+
+def run_all(parts: dict, fns: dict, world_sizes, timeout_s: float, hang_hint: str = "") -> dict:
+    """{(part name, world size): ("ok", [per-rank results]) | ("notimpl", hint) |
+    ("error", why)} for the parts `parts` ({name: function}) at each world size:
+    `world_sizes` lists them (every part at each), or maps each to the part names to run."""
+    plan = world_sizes if isinstance(world_sizes, dict) else {n: list(parts) for n in world_sizes}
+    results, failed = {}, {}  # failed: {part: (world size, its result there)}
+    with tempfile.TemporaryDirectory(prefix="minidist-grade-") as tmp:
+        for n, names in plan.items():
+            for p in names:
+                if p in failed:  # it would fail here too: say where it did
+                    m, (kind, why) = failed[p]
+                    results[p, n] = (kind, why if kind == "notimpl" else
+                                     f"not run, as it failed on {m} rank(s): {why}")
+            todo = [p for p in names if p not in failed]
+            while todo:
+                progress = os.path.join(tmp, f"{n}-{len(todo)}.pkl")  # one file per launch
+                try:
+                    done, why = launch(_worker, n, fns, [(p, parts[p]) for p in todo], timeout_s,
+                                       hang_hint, progress, timeout_s=timeout_s)[0], None
+                except Exception as e:
+                    done, why = _load(progress), explain(e, timeout_s, hang_hint)
+                for name, outcomes in done.items():
+                    results[name, n] = _summary(outcomes, n)
+                    if results[name, n][0] != "ok":
+                        failed[name] = (n, results[name, n])
+                todo = todo[len(done):]
+                if why is None:
+                    continue
+                # todo[0] was running when the launch failed: it fails; after a hang the
+                # rest fail too, unrun, after a crash a fresh launch runs them
+                stopped = {todo[0]: why}
+                if _hung(why):
+                    stopped.update({p: f"not run: the part before it hung ({why})" for p in todo[1:]})
+                for p, msg in stopped.items():
+                    results[p, n] = ("error", msg)
+                    failed[p] = (n, results[p, n])
+                todo = [p for p in todo if p not in stopped]
+    return results
+
+
+def _load(progress: str) -> dict:
+    try:
+        with open(progress, "rb") as f:
+            return pickle.load(f)
+    except FileNotFoundError:  # no part finished
+        return {}
+
+
+class Cache:
+    """Results of `run_all`, computed once per implementation: the key holds the
+    functions themselves (and whatever else changes the run), so the stubs, the reference
+    and a test's mistakes never share results, and no function is freed and its id reused."""
+
+    def __init__(self):
+        self.key, self.results = None, None
+
+    def get(self, key, compute):
+        if self.key != key:
+            self.key, self.results = key, compute()
+        return self.results
+
+
+def per_world_size(results: dict, part: str, world_sizes):
+    """Yield (n, per-rank results) for each world size; a part that did not run fails the
+    check here: a stub's NotImplementedError with its hint, or why it did not finish."""
+    for n in world_sizes:
+        kind, payload = results.get((part, n), ("error", "not run"))
+        if kind == "notimpl":
+            raise NotImplementedError(payload)
+        if kind == "error":
+            raise AssertionError(f"on {n} ranks: {payload}")
+        yield n, payload
+
+
+def first_problem(problems) -> None:
+    """Fail with the first problem (a string) among `problems`; None means no problem."""
+    for p in problems:
+        if p:
+            raise AssertionError(p)

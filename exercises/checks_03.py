@@ -1,0 +1,324 @@
+"""Graded checks of exercise 03 (exercises/03_data_parallel.py), registered with exercises.grade.
+
+make_buckets is checked here, in one process, against the bucketing rule written out
+below. BucketedDDP runs where it must: in 2 and 3 processes started by
+minidist.dist.launch (gloo), one launch per world size for every part (see
+exercises/_harness.py). Its oracle is one process training the same model on the whole
+batch, computed on every rank alongside, step by step. While the wrapper runs, the grader
+records from the outside what it does: every all-reduce (patched on the ProcessGroup, the
+one road all of torch.distributed's all_reduce calls take: its size and whether it is
+asynchronous) and every gradient's completion (a post-accumulate-grad hook registered
+before the wrapper's own, so it fires first).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from exercises import _harness as H
+from exercises.grade import check
+from minidist.ddp import DDP
+
+WORLD_SIZES = (2, 3)
+TIMEOUT_S = 20.0  # a rank that waits this long for the others is hung; tests lower it
+STEPS, BATCH, SEQ = 3, 12, 6  # BATCH divides over 2 and 3 ranks
+CAPS = {"several": 0.004, "one_bucket": None, "per_param": 0}  # 0.004 MiB: 5 buckets below
+HANG_HINT = ("Every rank must launch the same all-reduces in the same order and wait only "
+             "for what it launched.")
+
+
+# --------------------------------------------------------------------- reference adapter
+
+def reference_make_buckets(module: nn.Module, bucket_cap_mb: float | None) -> list[list[nn.Parameter]]:
+    """minidist's bucketing with the exercise's signature (minidist's takes the named
+    parameters, already reversed, and builds the buffers too)."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    return [b.params for b in DDP._make_buckets(list(reversed(named)), bucket_cap_mb)]
+
+
+# --------------------------------------------------------------------- model, data, oracles
+
+class Net(nn.Module):
+    """An embedding tied to the head (one parameter used twice, complete only at the end
+    of backward), a frozen layer (no gradient, in no bucket), a buffer (broadcast too),
+    and tensors of different sizes for several buckets."""
+
+    def __init__(self, V: int = 50, d: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(V, d)
+        self.frozen = nn.Linear(d, d)
+        self.frozen.requires_grad_(False)
+        self.body = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d), nn.LayerNorm(d))
+        self.head = nn.Linear(d, V, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("gain", 0.5 + torch.rand(d))
+
+    def forward(self, x, y):
+        h = self.body(self.frozen(self.emb(x)) * self.gain)
+        return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+def expected_buckets(module: nn.Module, cap_mb: float | None) -> list[list[nn.Parameter]]:
+    """The rule the exercise states, written out: trainable parameters, each once, in
+    reverse registration order, a new bucket when the next would go over the cap."""
+    cap = float("inf") if cap_mb is None else cap_mb * 2 ** 20
+    buckets, used = [], 0
+    for p in reversed([p for p in module.parameters() if p.requires_grad]):
+        nbytes = p.numel() * p.element_size()
+        if not buckets or used + nbytes > cap:
+            buckets.append([])
+            used = 0
+        buckets[-1].append(p)
+        used += nbytes
+    return buckets
+
+
+def _batch(step: int):
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randint(0, 50, (BATCH, SEQ), generator=g)
+    return x, torch.randint(0, 50, (BATCH, SEQ), generator=g)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rtol=1e-5, atol=1e-6) -> bool:
+    # float32, the same arithmetic up to the order of the sums: equal up to rounding
+    return bool(((got - want).abs() <= atol + rtol * want.abs()).all())
+
+
+def _grad_problem(step, names, got, want, local, n) -> str | None:
+    """None when every gradient is the full batch's, else what is wrong, with a guess."""
+    for name in names:
+        g, w = got[name], want[name]
+        if g is None:
+            return (f"step {step}: {name}.grad is None when loss.backward() returns; the "
+                    "averaged gradient belongs in p.grad")
+        if _close(g, w):
+            continue
+        where = f"step {step}: {name}.grad differs from one process's on the whole batch"
+        if _close(g, n * w):
+            return f"{where}: it is {n} times too large (all-reduce sums: divide by the world size)"
+        if _close(g, local[name]):
+            return (f"{where}: it is still this rank's own gradient when loss.backward() "
+                    "returns (wait for the all-reduces at the end of backward and copy the "
+                    "averaged buffers back into p.grad)")
+        i = int((g - w).abs().argmax())
+        return (f"{where}: element {i} is {g.reshape(-1)[i].item():.6g}, want "
+                f"{w.reshape(-1)[i].item():.6g}")
+    return None
+
+
+@torch.no_grad()
+def _sgd_step(model: nn.Module, momentum: dict, lr: float = 0.1, beta: float = 0.9) -> None:
+    """SGD with momentum (torch.optim.SGD's arithmetic), then zero_grad(set_to_none=True).
+    Written out: torch.optim's first step imports torch._dynamo, seconds per process."""
+    for p in model.parameters():
+        if p.grad is not None:
+            b = momentum.get(p)
+            momentum[p] = b = p.grad.clone() if b is None else b.mul_(beta).add_(p.grad)
+            p.sub_(lr * b)
+            p.grad = None
+
+
+# --------------------------------------------------------------------- recording
+
+class _Recorder:
+    """Events of one backward, in order: ("grad", name) when a gradient is complete,
+    ("all_reduce", numel, async) when an all-reduce starts."""
+
+    def __init__(self):
+        self.events, self.on = [], False
+
+    def hook(self, name):
+        def record(p):
+            if self.on:
+                self.events.append(("grad", name))
+        return record
+
+    def __enter__(self):
+        PG, rec = dist.ProcessGroup, self
+        self._orig = PG.__dict__["allreduce"]
+
+        def allreduce(pg, tensors, *args, **kwargs):
+            if rec.on:
+                opts = args[0] if args else kwargs.get("opts")
+                rec.events.append(("all_reduce", sum(t.numel() for t in tensors),
+                                   bool(getattr(opts, "asyncOp", False))))
+            return rec._orig(pg, tensors, *args, **kwargs)
+
+        PG.allreduce = allreduce
+        return self
+
+    def __exit__(self, *exc):
+        dist.ProcessGroup.allreduce = self._orig
+
+
+# --------------------------------------------------------------------- the parts, run on every rank
+
+def _broadcast_part(fns: dict, r: int, n: int) -> str | None:
+    torch.manual_seed(100 + r)  # every rank starts different
+    model = Net()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fns["BucketedDDP"](model, bucket_cap_mb=CAPS["several"])
+    for k, v in model.state_dict().items():
+        everyone = [torch.empty_like(v) for _ in range(n)]
+        dist.all_gather(everyone, v.contiguous())
+        what = "buffer" if k == "gain" else "parameter"
+        if not torch.equal(everyone[r], everyone[0]):
+            return (f"after construction rank {r}'s {what} {k} differs from rank 0's: "
+                    f"broadcast every parameter and buffer from rank 0")
+        if r == 0 and not torch.equal(v, before[k]):
+            return f"construction changed rank 0's {what} {k}: rank 0's values are the ones to copy"
+    return None
+
+
+def _train_part(cap, fns: dict, r: int, n: int) -> dict:
+    torch.manual_seed(0)
+    oracle = Net()  # one process, the whole batch
+    torch.manual_seed(0 if r == 0 else 100 + r)
+    model = Net()  # rank 0's equals the oracle's; the wrapper must copy it everywhere
+    names = [k for k, p in model.named_parameters() if p.requires_grad]
+    rec = _Recorder()
+    for k, p in model.named_parameters():
+        if p.requires_grad:  # before the wrapper's hooks: ours fire first
+            p.register_post_accumulate_grad_hook(rec.hook(k))
+    ddp = fns["BucketedDDP"](model, bucket_cap_mb=cap)
+    want_buckets = [sum(p.numel() for p in b) for b in expected_buckets(model, cap)]
+    momenta = ({}, {})  # (oracle's, model's)
+    per = BATCH // n
+    out = {"problem": None, "steps": [], "buckets": want_buckets}
+    for step in range(STEPS):
+        x, y = _batch(step)
+        xs, ys = x[r * per:(r + 1) * per], y[r * per:(r + 1) * per]
+        # this rank's own gradient at the oracle's weights: what an unsynchronised p.grad holds
+        oracle(xs, ys).backward()
+        local = {k: p.grad.clone() for k, p in oracle.named_parameters() if p.requires_grad}
+        oracle.zero_grad(set_to_none=True)
+        oracle(x, y).backward()
+        want = {k: p.grad for k, p in oracle.named_parameters() if p.requires_grad}
+        with rec:
+            rec.events, rec.on = [], True
+            try:
+                ddp(xs, ys).backward()
+            finally:
+                rec.on = False
+        out["steps"].append(rec.events)
+        got = {k: p.grad for k, p in model.named_parameters() if p.requires_grad}
+        problem = _grad_problem(step, names, got, want, local, n)
+        if problem is not None:
+            out["problem"] = problem
+            return out
+        for m, buf in zip((oracle, model), momenta):
+            _sgd_step(m, buf)
+    theirs = dict(model.named_parameters())
+    for k, p in oracle.named_parameters():
+        if not _close(theirs[k].detach(), p.detach()):
+            out["problem"] = (f"after {STEPS} SGD steps parameter {k} differs from one "
+                              "process's on the whole batch, though every gradient matched")
+            break
+    return out
+
+
+PARTS = {"broadcast": _broadcast_part,
+         **{name: functools.partial(_train_part, cap) for name, cap in CAPS.items()}}
+
+_CACHE = H.Cache()
+
+
+def _results(impl) -> dict:
+    fns = {"BucketedDDP": impl.BucketedDDP}
+    key = (impl.BucketedDDP, WORLD_SIZES, TIMEOUT_S)  # tests change the last two
+    return _CACHE.get(key, lambda: H.run_all(PARTS, fns, WORLD_SIZES, TIMEOUT_S, HANG_HINT))
+
+
+def _part(impl, name, world_sizes=None):
+    return H.per_world_size(_results(impl), name, world_sizes or WORLD_SIZES)
+
+
+# --------------------------------------------------------------------- the checks
+
+def _names(module):
+    return {id(p): n for n, p in module.named_parameters()}
+
+
+@check("03", points=2, name="make_buckets: trainable, each once, reversed, filled up to the cap")
+def _make_buckets(impl):
+    torch.manual_seed(0)
+    from minidist.model import GPT, GPTConfig
+    gpt = GPT(GPTConfig(block_size=8, vocab_size=64, n_layer=2, n_head=2, n_embd=16))
+    gpt.wpe.requires_grad_(False)
+    for model, caps in [(Net(), (None, 0, 0.004, 0.005, 4288 / 2**20)), (gpt, (None, 0, 0.01))]:
+        label = _names(model)
+        for cap in caps:
+            got = impl.make_buckets(model, cap)
+            show = lambda bs: [[label.get(id(p), "?") for p in b] for b in bs]  # noqa: E731
+            want = show(expected_buckets(model, cap))
+            assert isinstance(got, (list, tuple)) and all(isinstance(b, (list, tuple)) for b in got), \
+                f"make_buckets(cap={cap}) got {type(got).__name__}, want a list of lists of parameters"
+            assert show(got) == want, (
+                f"{type(model).__name__}, bucket_cap_mb={cap}: got buckets {show(got)}, want "
+                f"{want} (trainable parameters, each once, in reverse registration order, "
+                "a new bucket when the next would go over the cap)")
+
+
+@check("03", points=1, name="construction copies rank 0's parameters and buffers to every rank")
+def _construction(impl):
+    for _, per_rank in _part(impl, "broadcast"):
+        H.first_problem(per_rank)
+
+
+@check("03", points=3, name="2 and 3 ranks, several buckets: SGD steps == one process on the whole batch")
+def _several(impl):
+    for _, per_rank in _part(impl, "several"):
+        H.first_problem(res["problem"] for res in per_rank)
+
+
+@check("03", points=1, name="one bucket (cap None) and one per parameter (cap 0) == one process")
+def _extremes(impl):
+    for name in ("one_bucket", "per_param"):
+        for _, per_rank in _part(impl, name, (2,)):
+            H.first_problem(f"bucket_cap_mb={CAPS[name]}: {res['problem']}" if res["problem"] else None
+                            for res in per_rank)
+
+
+@check("03", points=2, name="overlap: an async all_reduce starts before backward's last gradient")
+def _overlap(impl):
+    for n, per_rank in _part(impl, "several"):
+        for r, res in enumerate(per_rank):
+            for step, events in enumerate(res["steps"]):
+                grads = [i for i, e in enumerate(events) if e[0] == "grad"]
+                if not grads:
+                    raise AssertionError(f"on {n} ranks, step {step}: no gradient was produced")
+                last = grads[-1]
+                early = [e for e in events[:last] if e[0] == "all_reduce"]
+                where = f"on {n} ranks, rank {r}, step {step}"
+                total = sum(e[0] == "all_reduce" for e in events)
+                assert early, (
+                    f"{where}: all {total} all_reduce calls started after the last gradient "
+                    f"({events[last][1]}) was complete: none overlapped backward. Launch a "
+                    "bucket's all-reduce from the hook that fills it, not at the end")
+                assert any(e[2] for e in early), (
+                    f"{where}: the {len(early)} all_reduce calls during backward were "
+                    "synchronous (async_op=False): each stops backward until its bucket is "
+                    "summed. Pass async_op=True and wait() on the works at the end of backward")
+
+
+@check("03", points=1, name="one all_reduce per bucket per backward, of its flat buffer, in bucket order")
+def _one_per_bucket(impl):
+    for name in CAPS:
+        for n, per_rank in _part(impl, name, WORLD_SIZES if name == "several" else (2,)):
+            for r, res in enumerate(per_rank):
+                want = res["buckets"]
+                for step, events in enumerate(res["steps"]):
+                    got = [e[1] for e in events if e[0] == "all_reduce"]
+                    where = f"bucket_cap_mb={CAPS[name]}, on {n} ranks, rank {r}, step {step}"
+                    assert len(got) == len(want), (
+                        f"{where}: {len(got)} all_reduce calls in one backward; the cap makes "
+                        f"{len(want)} bucket(s) of {want} elements: one all-reduce per bucket, "
+                        "of its flat buffer")
+                    assert got == want, (
+                        f"{where}: all-reduced {got} elements, in that order; the buckets, in "
+                        f"index order, hold {want}: launch bucket k only after buckets 0..k-1")

@@ -1,0 +1,333 @@
+"""Exercises 03 and 04's graders catch the classic mistakes, each in the checks it belongs
+to, a solution written the way the exercise asks scores full, and a hang fails its checks
+instead of hanging the grader.
+
+(tests/test_exercises.py proves for every exercise that the stubs score 0 and minidist
+scores full.) Exercise 03's mistakes run on 2 ranks only (the grader itself runs 2 and 3).
+The mistaken implementations live at module level: cloudpickle ships them to the ranks by
+name.
+"""
+
+import contextlib
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from exercises import checks_03 as C3
+from exercises import grade as G
+from minidist.ddp import DDP, allreduce_gradients_naive, broadcast_module
+
+
+# =====================================================================  exercise 03
+
+# -- 0. a plain solution, written the way the exercise asks (its suggested structure)
+
+def plain_make_buckets(module, bucket_cap_mb):
+    cap = float("inf") if bucket_cap_mb is None else bucket_cap_mb * 2**20
+    buckets, used = [], 0
+    for p in reversed([p for p in module.parameters() if p.requires_grad]):
+        nbytes = p.numel() * p.element_size()
+        if buckets and used + nbytes <= cap:
+            buckets[-1].append(p)
+            used += nbytes
+        else:
+            buckets.append([p])
+            used = nbytes
+    return buckets
+
+
+class PlainDDP(nn.Module):
+    def __init__(self, module, bucket_cap_mb=25.0):
+        super().__init__()
+        self.module = module
+        with torch.no_grad():
+            for t in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(t.data, src=0)
+        self.buckets = plain_make_buckets(module, bucket_cap_mb)
+        self.buffers, self.views, self.where = [], [], {}
+        for b, params in enumerate(self.buckets):
+            buf = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)
+            views, off = [], 0
+            for i, p in enumerate(params):
+                views.append(buf[off:off + p.numel()].view_as(p))
+                self.where[p] = (b, i)
+                off += p.numel()
+            self.buffers.append(buf)
+            self.views.append(views)
+        self._reset()
+        for params in self.buckets:
+            for p in params:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def _reset(self):
+        self.ready = [set() for _ in self.buckets]
+        self.works = [None] * len(self.buckets)
+        self.next, self.queued = 0, False
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _launch(self):
+        while self.next < len(self.buckets) and len(self.ready[self.next]) == len(self.buckets[self.next]):
+            self.works[self.next] = dist.all_reduce(self.buffers[self.next], async_op=True)
+            self.next += 1
+
+    @torch.no_grad()
+    def _grad_ready(self, p):
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        b, i = self.where[p]
+        self.views[b][i].copy_(p.grad)
+        self.ready[b].add(i)
+        self._launch()
+
+    @torch.no_grad()
+    def _end_of_backward(self):
+        self._launch()
+        for b, params in enumerate(self.buckets):
+            self.works[b].wait()
+            self.buffers[b].div_(dist.get_world_size())
+            for p, v in zip(params, self.views[b]):
+                p.grad.copy_(v)
+        self._reset()
+
+
+# -- 1. all-reduce sums: forgetting to divide by the world size
+
+class SummingDDP(DDP):
+    def finish_gradient_synchronization(self):
+        was_queued = self._callback_queued
+        super().finish_gradient_synchronization()
+        if was_queued:
+            for bucket in self.buckets:
+                bucket.buffer.mul_(self.world)  # undo the average: the sum is left
+
+
+# -- 2. every bucket all-reduced after backward: right numbers, no overlap
+
+class AfterBackwardDDP(DDP):
+    def __init__(self, module, bucket_cap_mb=25.0):
+        super().__init__(module, bucket_cap_mb, overlap=False)
+
+
+# -- 3. buckets launched from the hooks, but synchronously: backward waits for each
+
+class _Done:
+    def wait(self):
+        pass
+
+
+class BlockingDDP(DDP):
+    def _launch_ready(self):
+        while self._next < len(self.buckets) and \
+                len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
+            dist.all_reduce(self.buckets[self._next].buffer)  # async_op=False: blocks
+            self.buckets[self._next].work = _Done()
+            self._next += 1
+
+
+# -- 4. the naive version: one all-reduce per parameter, at the end of backward
+
+class PerParameterDDP(nn.Module):
+    def __init__(self, module, bucket_cap_mb=25.0):
+        super().__init__()
+        self.module, self.queued = module, False
+        broadcast_module(module)
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._hook)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _hook(self, p):
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+
+    def _finish(self):
+        allreduce_gradients_naive(self.module)
+        self.queued = False
+
+
+# -- 5. buckets in registration order (the order forward uses them, not backward)
+
+def unreversed_make_buckets(module, bucket_cap_mb):
+    return plain_make_buckets(_Reversed(module), bucket_cap_mb)
+
+
+class _Reversed:
+    def __init__(self, module):
+        self.module = module
+
+    def parameters(self):
+        return reversed(list(self.module.parameters()))
+
+
+# -- 6. a hang: each rank waits for a message that nobody sends (gloo's timeout ends it)
+
+class WaitsForeverDDP(DDP):
+    def finish_gradient_synchronization(self):
+        if self._callback_queued:
+            r, n = dist.get_rank(), dist.get_world_size()
+            dist.irecv(torch.empty(1), (r + 1) % n).wait()
+        super().finish_gradient_synchronization()
+
+
+# The checks of exercise 03, by a word of their names.
+CHECK3 = {"buckets": "make_buckets", "construction": "construction", "several": "several buckets",
+          "extremes": "one per parameter", "overlap": "overlap", "count": "one all_reduce per bucket"}
+
+MISTAKES3 = {
+    # name: (overrides, checks that must fail, a phrase each failure message contains)
+    "sums instead of averaging": (dict(BucketedDDP=SummingDDP), {"several", "extremes"}, "times too large"),
+    "all-reduce after backward only": (dict(BucketedDDP=AfterBackwardDDP), {"overlap"}, "none overlapped"),
+    "synchronous all-reduce in the hooks": (dict(BucketedDDP=BlockingDDP), {"overlap"}, "synchronous"),
+    "one all-reduce per parameter, after backward": (
+        dict(BucketedDDP=PerParameterDDP), {"overlap", "count"}, "all_reduce"),
+    "buckets not reversed": (dict(make_buckets=unreversed_make_buckets), {"buckets"}, "reverse registration order"),
+}
+
+
+def _failed(result, names):
+    failed = {c.name: c.message for c in result.checks if not c.ok}
+    return {k for k, v in names.items() if any(v in name for name in failed)}, failed
+
+
+@pytest.fixture
+def two_ranks(monkeypatch):
+    monkeypatch.setattr(C3, "WORLD_SIZES", (2,))
+
+
+def test_03_a_plain_solution_scores_full():
+    # on 2 and 3 ranks, as the grader runs it for a student
+    r = G.grade("03", overrides=dict(make_buckets=plain_make_buckets, BucketedDDP=PlainDDP))
+    assert r.points == r.max_points, {c.name: c.message for c in r.checks if not c.ok}
+
+
+@pytest.mark.parametrize("mistake", list(MISTAKES3))
+def test_03_mistake_loses_the_points_of_its_checks(mistake, two_ranks):
+    overrides, must_fail, phrase = MISTAKES3[mistake]
+    r = G.grade("03", reference=True, overrides=overrides)
+    which, messages = _failed(r, CHECK3)
+    assert which == must_fail, messages
+    assert 0 < r.points < r.max_points
+    for name, msg in messages.items():
+        assert phrase in msg and "not implemented" not in msg, (name, msg)
+
+
+def test_03_a_hang_fails_its_checks_within_the_timeout(two_ranks, monkeypatch):
+    monkeypatch.setattr(C3, "TIMEOUT_S", 4.0)
+    t0 = time.monotonic()
+    r = G.grade("03", reference=True, overrides=dict(BucketedDDP=WaitsForeverDDP))
+    which, messages = _failed(r, CHECK3)
+    # construction and make_buckets keep their points; the first training part hangs,
+    # the parts after it are not run
+    assert which == {"several", "extremes", "overlap", "count"}, messages
+    assert "timed out" in messages[next(n for n in messages if CHECK3["several"] in n)]
+    assert all("timed out" in m or "hung" in m for m in messages.values()), messages
+    assert time.monotonic() - t0 < 4 + 60
+
+
+def test_03_results_are_cached_per_implementation(two_ranks, monkeypatch):
+    runs = []
+    real = C3.H.run_all
+    monkeypatch.setattr(C3.H, "run_all", lambda *a, **k: runs.append(1) or real(*a, **k))
+    G.grade("03", reference=True)
+    G.grade("03", reference=True, overrides=dict(make_buckets=unreversed_make_buckets))  # same DDP
+    assert len(runs) == 1
+    # (a different BucketedDDP runs anew: the mistakes above would score full otherwise)
+
+
+# =====================================================================  exercise 04
+
+def _count(micro_batches):
+    n = torch.tensor([float(sum(int((y != -1).sum()) for _, y in micro_batches))])
+    dist.all_reduce(n)
+    return n
+
+
+def _sync(ddp, i, k):
+    return contextlib.nullcontext() if ddp is None or i == k - 1 else ddp.no_sync()
+
+
+# -- 0. a plain solution
+
+def acc_plain(model, micro_batches, world_size, ddp=None):
+    n, total = _count(micro_batches), torch.zeros(1)
+    for i, (x, y) in enumerate(micro_batches):
+        with _sync(ddp, i, len(micro_batches)):
+            _, loss = model(x, y, reduction="sum")
+            (loss * world_size / n).backward()
+        total += loss.detach()
+    dist.all_reduce(total)
+    return (total / n).item()
+
+
+# -- 1. the mean of per-micro-batch means
+
+def acc_micro_means(model, micro_batches, world_size, ddp=None):
+    k, total = len(micro_batches), torch.zeros(1)
+    for i, (x, y) in enumerate(micro_batches):
+        with _sync(ddp, i, k):
+            _, loss = model(x, y)
+            (loss / k).backward()
+        total += loss.detach() / k
+    dist.all_reduce(total)
+    return (total / world_size).item()
+
+
+# -- 2. no no_sync: right gradients, communication in every micro-step
+
+def acc_no_no_sync(model, micro_batches, world_size, ddp=None):
+    return acc_plain(model, micro_batches, world_size, None)
+
+
+# -- 3. each rank normalises by its own token count
+
+def acc_local_count(model, micro_batches, world_size, ddp=None):
+    n, total = sum(int((y != -1).sum()) for _, y in micro_batches), 0.0
+    for i, (x, y) in enumerate(micro_batches):
+        with _sync(ddp, i, len(micro_batches)):
+            _, loss = model(x, y, reduction="sum")
+            (loss / n).backward()
+        total += loss.item()
+    return total / n
+
+
+# -- 4. the global count, but no world_size factor: DDP's average halves the gradient
+
+def acc_no_world_factor(model, micro_batches, world_size, ddp=None):
+    return acc_plain(model, micro_batches, 1, ddp)
+
+
+CHECK4 = {"one rank": "1 rank", "ddp": "under DDP", "plain": "ddp=None", "loss": "mean loss",
+          "no_sync": "no_sync"}
+
+MISTAKES4 = {
+    "mean of micro-batch means": (acc_micro_means, {"one rank", "ddp", "plain", "loss"},
+                                  "per-micro-batch means"),
+    "no no_sync": (acc_no_no_sync, {"no_sync"}, "ddp.no_sync()"),
+    "local token count": (acc_local_count, {"ddp", "plain", "loss"}, "rank"),
+    "no world_size factor": (acc_no_world_factor, {"ddp", "plain"}, "0.5 times"),
+}
+
+
+def test_04_a_plain_solution_scores_full():
+    r = G.grade("04", overrides=dict(accumulate=acc_plain))
+    assert r.points == r.max_points, {c.name: c.message for c in r.checks if not c.ok}
+
+
+@pytest.mark.parametrize("mistake", list(MISTAKES4))
+def test_04_mistake_loses_the_points_of_its_checks(mistake):
+    fn, must_fail, phrase = MISTAKES4[mistake]
+    r = G.grade("04", overrides=dict(accumulate=fn))
+    which, messages = _failed(r, CHECK4)
+    assert which == must_fail, messages
+    assert 0 < r.points < r.max_points
+    for name, msg in messages.items():
+        assert phrase in msg and "not implemented" not in msg, (name, msg)
