@@ -32,7 +32,7 @@ from minidist.model import GPT, PRESETS, GPTConfig, flops_per_token, num_params
 
 # What "auto" means on each kind of device: a run that fits the machine.
 AUTO = {
-    "cpu": dict(preset="tiny", tokenizer="gpt2-2048", batch_size=32, steps=560, lr=3e-3,
+    "cpu": dict(preset="tiny", tokenizer="gpt2-2048", batch_size=32, steps=480, lr=3e-3,
                 warmup_steps=20, eval_interval=80, log_interval=20),
     "cuda": dict(preset="gpt2", tokenizer="gpt2", batch_size=32, steps=300, lr=6e-4,
                  warmup_steps=30, eval_interval=50, log_interval=10),
