@@ -137,6 +137,41 @@ def _ring_reduce_scatter(chunks: list[torch.Tensor], name: str) -> None:
                        f"{name}: reduce-scatter step {k + 1}/{n - 1}")
 
 
+def _ring_all_reduce(chunks: list[torch.Tensor], name: str) -> None:
+    """Reduce-scatter then all-gather, with the first all-gather step riding on the last
+    reduce-scatter step: each segment of the chunk this rank finishes is sent on to the
+    right as soon as its addition is done, while later segments are still arriving.
+    Without this, the all-gather would wait for the whole reduce-scatter to drain."""
+    r, n, right, left = _ring_neighbours()
+    for k in range(n - 2):  # every reduce-scatter step but the last
+        _send_recv_add(chunks[(r - k - 1) % n], right, chunks[(r - k - 2) % n], left,
+                       f"{name}: reduce-scatter step {k + 1}/{n - 1}")
+    # last reduce-scatter step: send chunk r+1, receive and finish chunk r; first
+    # all-gather step: send the finished chunk r, receive the finished chunk r-1
+    send, own, nxt = chunks[(r + 1) % n], chunks[r], chunks[(r - 1) % n]
+    buf = _scratch_like(own)
+    seg = max(1, SEGMENT_BYTES // own.element_size())
+    what = f"{name}: reduce-scatter step {n - 1}/{n - 1} + all-gather step 1/{n - 1}"
+    # posting order is message order on each link: every rank posts the reduce-scatter
+    # messages before the all-gather ones, so each receive matches its send
+    rs_recvs = [dist.irecv(b, left) for b in buf.split(seg)]
+    sends = [dist.isend(t, right) for t in send.split(seg)]
+    ag_recvs = [dist.irecv(t, left) for t in nxt.split(seg)]
+    for w, b, a in zip(rs_recvs, buf.split(seg), own.split(seg)):
+        _wait(w, "receive from", left, what)
+        a.add_(b)
+        sends.append(dist.isend(a, right))  # this segment of chunk r is final: pass it on
+    for c in _counters:
+        c[name] += (send.numel() + own.numel()) * own.element_size()
+    for w in ag_recvs:
+        _wait(w, "receive from", left, what)
+    for w in sends:
+        _wait(w, "send to", right, what)
+    for k in range(1, n - 1):  # the remaining all-gather steps
+        _exchange(chunks[(r - k) % n], right, chunks[(r - k - 1) % n], left,
+                  f"{name}: all-gather step {k + 1}/{n - 1}")
+
+
 def _ring_all_gather(chunks: list[torch.Tensor], name: str) -> None:
     """Rank i holds the final chunks[i]; afterwards every rank holds all of them."""
     r, n, right, left = _ring_neighbours()
@@ -162,8 +197,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
     if n > 1:
         chunks = list(torch.tensor_split(flat, n))  # views: the ring works inside `flat`
-        _ring_reduce_scatter(chunks, "all_reduce")
-        _ring_all_gather(chunks, "all_reduce")
+        _ring_all_reduce(chunks, "all_reduce")
     if op == "avg":
         flat.div_(n)
     if flat.data_ptr() != tensor.data_ptr():
