@@ -28,6 +28,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from exercises._harness import per_world_size
 from exercises.grade import check
 from minidist import comm
 from minidist.dist import LaunchError, launch
@@ -412,16 +413,8 @@ def _summary(outcomes: list, n: int) -> tuple[str, object]:
 
 
 def _per_world_size(impl, part: str):
-    """Yield (n, per-rank results) for n = 2, 3, 4; a part that did not run fails the
-    check here: a stub's NotImplementedError with its hint, or why it did not finish."""
-    results = _results(impl)
-    for n in WORLD_SIZES:
-        kind, payload = results.get((part, n), ("error", "not run"))
-        if kind == "notimpl":
-            raise NotImplementedError(payload)
-        if kind == "error":
-            raise AssertionError(f"on {n} ranks: {payload}")
-        yield n, payload
+    """Yield (n, per-rank results) for n = 2, 3, 4 (see _harness.per_world_size)."""
+    return per_world_size(_results(impl), part, WORLD_SIZES)
 
 
 def _first(problem_lists) -> None:
