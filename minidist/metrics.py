@@ -92,3 +92,19 @@ class Throughput:
         r = self.tokens / dt if dt > 0 else 0.0
         self.tokens, self.t0 = 0, time.perf_counter()
         return r
+
+
+def plot_losses(rows, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    tr = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    va = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    ax.plot(*zip(*tr), label="train")
+    if va:
+        ax.plot(*zip(*va), "o-", label="validation")
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title="minidist train_gpt")
+    ax.legend(), ax.grid(alpha=0.3)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)

@@ -5,6 +5,7 @@ Chapter 01 (chapters/01_gpt.md) is the baseline this runs by default. Exercised 
     torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py     # 2 processes
     python minidist/train_gpt.py --steps 50                            # 1 process
     python minidist/train_gpt.py --help
+    torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --precision fp16   # ch. 05
 
 On CPU it trains a tiny GPT on Shakespeare with a 2048-token cut of GPT-2's BPE; on a
 GPU, GPT-2 small (124M) with GPT-2's full BPE. Every size is a flag. Rank 0 prints one
@@ -29,6 +30,7 @@ from minidist import data, metrics
 from minidist.ddp import DDP, allreduce_gradients_flat, allreduce_gradients_naive, broadcast_module
 from minidist.dist import cleanup, init
 from minidist.model import GPT, PRESETS, GPTConfig, flops_per_token, num_params
+from minidist.scaler import LossScaler, autocast
 
 # What "auto" means on each kind of device: a run that fits the machine.
 AUTO = {
@@ -68,6 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--bucket-cap-mb", type=float, default=25.0, help="bucket size for --dp bucketed")
     a("--grad-accum-steps", type=int, default=1,
       help="micro-steps per optimizer step; --batch-size is split over ranks and micro-steps")
+    a("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+      help="autocast dtype of the forward pass; parameters, gradients and optimizer state stay "
+           "fp32; fp16 always runs with dynamic loss scaling (minidist.scaler.LossScaler)")
+    a("--loss-scale-init", type=float, default=2.0**16, help="fp16: the first loss scale")
+    a("--loss-scale-growth-interval", type=int, default=2000,
+      help="fp16: clean steps before the loss scale doubles")
+    a("--loss-scale-hysteresis", type=int, default=1,
+      help="fp16: consecutive overflows before the loss scale halves (each one skips its step)")
     a("--seed", type=int, default=1337)
     a("--sample-tokens", type=int, default=120, help="tokens to generate at the end")
     a("--out-dir", default="out", help="where metrics.jsonl, loss.png, summary.json go")
@@ -102,6 +112,10 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
                 f"e.g. {parts * max(1, args.batch_size // parts)}")
     if args.lr <= 0:
         p.error(f"--lr must be > 0, got {args.lr}")
+    try:
+        make_scaler(args)
+    except ValueError as e:
+        p.error(f"loss scaling: {e}")
     if bool(args.data) != bool(args.val_data):
         p.error("--data and --val-data go together: give both or neither")
     try:
@@ -116,7 +130,14 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
     return args
 
 
-def forward_backward(model, micro_batches, world_size: int, ddp: DDP | None = None) -> float:
+def make_scaler(args) -> LossScaler:
+    """fp16 gets dynamic loss scaling; fp32 and bf16 a disabled (pass-through) scaler."""
+    return LossScaler(init_scale=args.loss_scale_init, growth_interval=args.loss_scale_growth_interval,
+                      hysteresis=args.loss_scale_hysteresis, enabled=args.precision == "fp16")
+
+
+def forward_backward(model, micro_batches, world_size: int, ddp: DDP | None = None,
+                     scaler: LossScaler | None = None, precision: str = "fp32") -> float:
     """Gradients of one optimizer step over this rank's micro-batches; returns the loss.
 
     The loss is normalised by the number of target tokens in the whole global batch (all
@@ -124,7 +145,8 @@ def forward_backward(model, micro_batches, world_size: int, ddp: DDP | None = No
     weighs the same however the tokens fall across micro-batches and ranks. Gradient
     averaging divides by world_size, so each rank scales its summed loss by world_size /
     global_tokens. Under DDP, all micro-steps but the last run in no_sync(): no
-    communication until the gradients are complete.
+    communication until the gradients are complete. The forward pass runs under autocast
+    at `precision`; with a scaler, the loss is multiplied by its scale before backward.
     """
     # tokens in the global batch: one tiny collective per step (float64: exact counts)
     count = sum((y != -1).sum() for _, y in micro_batches).double().reshape(1)
@@ -135,9 +157,11 @@ def forward_backward(model, micro_batches, world_size: int, ddp: DDP | None = No
     for i, (x, y) in enumerate(micro_batches):
         sync = ddp is None or i == len(micro_batches) - 1
         with (contextlib.nullcontext() if sync else ddp.no_sync()):
-            _, loss_sum = model(x, y, reduction="sum")
-            (loss_sum * (world_size / count.item())).backward()
-        total += loss_sum.detach()
+            with autocast(x.device, precision):
+                _, loss_sum = model(x, y, reduction="sum")  # fp32: autocast reduces in fp32
+            loss = loss_sum.float() * (world_size / count.item())
+            (scaler.scale(loss) if scaler else loss).backward()
+        total += loss_sum.detach().double()
     dist.all_reduce(total)  # for the log: the global batch's mean loss per token
     return (total / count).item()
 
@@ -151,17 +175,18 @@ def lr_at(step: int, args) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, loader, info, tok_bytes, max_windows=None) -> tuple[float, float]:
+def evaluate(model, loader, info, tok_bytes, max_windows=None, precision="fp32") -> tuple[float, float]:
     """(mean loss in nats per token, bits per byte) over the validation windows, all
-    ranks sharing the work. Bits per byte divides by the UTF-8 bytes of the predicted
-    tokens, so it compares across tokenizers."""
+    ranks sharing the work, the forward pass in the training precision. Bits per byte
+    divides by the UTF-8 bytes of the predicted tokens, so it compares across tokenizers."""
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64)  # nats, tokens, bytes
     windows = list(loader.all_windows(max_windows))
     for i in range(0, len(windows), 16):
         w = torch.stack([torch.from_numpy(loader.window(j)) for j in windows[i:i + 16]])
         x, y = w[:, :-1].to(info.device), w[:, 1:].to(info.device)
-        _, loss = model(x, y, reduction="sum")
+        with autocast(info.device, precision):
+            _, loss = model(x, y, reduction="sum")
         sums += torch.tensor([loss.item(), y.numel(), tok_bytes[w[:, 1:].numpy()].sum()],
                              dtype=torch.float64)
     sums = sums.to(info.device)
@@ -169,22 +194,6 @@ def evaluate(model, loader, info, tok_bytes, max_windows=None) -> tuple[float, f
     model.train()
     nats, n, nbytes = sums.tolist()
     return nats / n, nats / math.log(2) / max(nbytes, 1)
-
-
-def plot_losses(rows, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
-    tr = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-    va = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
-    ax.plot(*zip(*tr), label="train")
-    if va:
-        ax.plot(*zip(*va), "o-", label="validation")
-    ax.set(xlabel="step", ylabel="loss (nats/token)", title="minidist train_gpt")
-    ax.legend(), ax.grid(alpha=0.3)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
 
 
 def main(argv=None) -> dict:
@@ -216,6 +225,7 @@ def main(argv=None) -> dict:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    scaler = make_scaler(args)
     k = args.grad_accum_steps  # loader step s * k + m is micro-step m of optimizer step s
     train = data.TokenLoader(args.data, args.seq_len, args.batch_size // k, info.rank,
                              info.world_size, args.seed)
@@ -224,11 +234,11 @@ def main(argv=None) -> dict:
     tok_bytes = data.token_bytes(enc)
     fpt = flops_per_token(cfg, args.seq_len)
     dist.barrier()  # on CPU, every rank measures its matmul peak at the same time,
-    peak, peak_src = metrics.peak_flops(info.device, "fp32")  # sharing the cores as in training
+    peak, peak_src = metrics.peak_flops(info.device, args.precision)  # sharing the cores as in training
     log(f"minidist | {info.world_size} x {info.device.type} ({info.backend}) | {args.preset}: "
         f"{num_params(model) / 1e6:.2f}M params, {cfg.n_layer}L {cfg.n_head}H {cfg.n_embd}d, "
         f"vocab {cfg.vocab_size} ({args.tokenizer}) | batch {args.batch_size} x {args.seq_len} "
-        f"tokens ({k} micro-step{'s' if k > 1 else ''}) | dp {args.dp} | {args.steps} steps | MFU vs {peak_src}")
+        f"tokens ({k} micro-step{'s' if k > 1 else ''}) | dp {args.dp} | {args.precision} | {args.steps} steps | MFU vs {peak_src}")
 
     out = Path(args.out_dir)
     rows, tput, t_start = [], metrics.Throughput(), time.perf_counter()
@@ -237,21 +247,26 @@ def main(argv=None) -> dict:
         for g in opt.param_groups:
             g["lr"] = lr
         micro = [tuple(t.to(info.device) for t in train.batch(step * k + m)) for m in range(k)]
-        loss = forward_backward(ddp or model, micro, info.world_size, ddp)
+        loss = forward_backward(ddp or model, micro, info.world_size, ddp, scaler, args.precision)
         if ddp is None:  # DDP has already averaged during backward
             (allreduce_gradients_flat if args.dp == "flat" else allreduce_gradients_naive)(model)
+        scaler.unscale_(opt)  # true gradients before clipping (a no-op unless fp16)
         if args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        opt.step()
+        scaler.step(opt)  # skipped if a gradient overflowed on any rank
+        scaler.update()
         opt.zero_grad(set_to_none=True)
         tput.add(args.batch_size * args.seq_len)
 
         last = step == args.steps - 1
         if step == 0 or last or (step + 1) % args.log_interval == 0 or (step + 1) % args.eval_interval == 0:
             row = {"step": step + 1, "loss": loss, "lr": lr}
+            if scaler.enabled:
+                row.update(loss_scale=scaler.get_scale(), skipped_steps=scaler.skipped_steps)
             rate = tput.rate()  # training only: evaluation below is not counted
             if (step + 1) % args.eval_interval == 0 and not last:
-                row["val_loss"], _ = evaluate(model, val, info, tok_bytes, args.eval_windows)
+                row["val_loss"], _ = evaluate(model, val, info, tok_bytes, args.eval_windows,
+                                              args.precision)
                 tput.rate()  # restart the clock after evaluating
             m = metrics.mfu(fpt, rate, peak, info.world_size)
             row.update(tokens_per_s=rate, mfu=m, mem_gb=metrics.memory_bytes(info.device) / 1e9,
@@ -259,15 +274,18 @@ def main(argv=None) -> dict:
             rows.append(row)
             log(f"step {step + 1:5d}/{args.steps} | loss {row['loss']:.4f}"
                 + (f" | val {row['val_loss']:.4f}" if "val_loss" in row else "")
-                + f" | lr {lr:.2e} | {rate:,.0f} tok/s | MFU "
+                + f" | lr {lr:.2e}"
+                + (f" | scale {scaler.get_scale():g} ({scaler.skipped_steps} skipped)" if scaler.enabled else "")
+                + f" | {rate:,.0f} tok/s | MFU "
                 + (f"{100 * m:.1f}%" if m is not None else "n/a")
                 + f" | mem {row['mem_gb']:.2f} GB")
 
     # by default the whole validation split
-    val_loss, bpb = evaluate(model, val, info, tok_bytes, args.final_eval_windows)
+    val_loss, bpb = evaluate(model, val, info, tok_bytes, args.final_eval_windows, args.precision)
     train_s = time.perf_counter() - t_start
     rows.append({"step": args.steps, "val_loss": val_loss, "val_bpb": bpb})
     summary = {"val_loss": val_loss, "val_bpb": bpb, "train_seconds": train_s,
+               "skipped_steps": scaler.skipped_steps, "loss_scale": scaler.get_scale(),
                "world_size": info.world_size, "device": info.device.type,
                "params": num_params(model), "config": cfg.to_dict(), "args": vars(args)}
     if info.is_main:
@@ -279,7 +297,7 @@ def main(argv=None) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "metrics.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-        plot_losses(rows, out / "loss.png")
+        metrics.plot_losses(rows, out / "loss.png")
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         log(f"final | val loss {val_loss:.4f} nats/token | {bpb:.3f} bits/byte | "
             f"trained {train_s:.0f}s\n--- sample ---\n{sample}\n--- "

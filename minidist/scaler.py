@@ -1,0 +1,209 @@
+"""Dynamic loss scaling for fp16 training: Chapter 05 (chapters/05_mixed_precision.md).
+
+Exercised by:
+
+    torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --precision fp16
+    pytest tests/test_scaler.py
+
+Why it exists. fp16 keeps 10 mantissa bits but only 5 exponent bits: the smallest
+positive value is 2**-24 (about 6e-8) and the largest 65504. Gradients of a language
+model are mostly tiny, so in an fp16 backward pass many of them round to zero
+(underflow). Multiplying the loss by a large factor S multiplies every gradient by S
+(the chain rule is linear), lifting them into fp16's range; dividing the fp32 gradients
+by S afterwards ("unscaling") gives back the true gradients. Too large an S and some
+gradient overflows to inf: then that step is skipped and S is lowered. Too small and
+underflow returns, so S is raised again after a run of clean steps. bf16 has fp32's
+8 exponent bits, the same range, so it needs none of this.
+
+The usage mirrors torch.amp.GradScaler, the oracle the tests compare against:
+
+    scaler.scale(loss).backward()   # gradients are S times too large
+    scaler.unscale_(opt)            # divide by S, check for inf/NaN (optional: step does it)
+    clip_grad_norm_(...)            # clipping must see true gradients
+    scaler.step(opt)                # opt.step() unless some gradient was not finite
+    scaler.update()                 # back off or grow S
+
+What it adds beyond GradScaler:
+
+- The inf/NaN check agrees across ranks: the flag is all-reduced with MAX, so when each
+  rank holds only a shard of the gradients (ZeRO-2/3), or an overflow happens on one rank
+  only, every rank skips the same steps and parameters never diverge.
+- Hysteresis, as in DeepSpeed's loss scaler: the scale backs off only once the run of
+  consecutive overflows reaches `hysteresis`, so a single outlier batch does not halve it.
+  Every overflow still skips its step, and a clean step ends the run. With hysteresis=1
+  every overflow backs off, exactly as GradScaler does. (This is DeepSpeed with
+  consecutive_hysteresis=True; DeepSpeed's default refills the allowance only when the
+  scale grows, not after each clean step.)
+- min_scale: when gradients are inf or NaN even at the smallest allowed scale, scaling
+  cannot be the cure, and the scaler stops the run with an error saying what to try.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+FP32_MAX = torch.finfo(torch.float32).max
+
+
+class ScaleCollapseError(FloatingPointError):
+    """The gradients overflow even at min_scale: the run is diverging, not underflowing."""
+
+
+class LossScaler:
+    """Dynamic loss scaler; see the module docstring for the protocol and semantics.
+
+    init_scale:      the first S (2**16, as GradScaler).
+    growth_factor:   S is multiplied by this after `growth_interval` consecutive clean steps.
+    backoff_factor:  S is multiplied by this when an overflow reaches the hysteresis.
+    hysteresis:      consecutive overflows needed before backing off (1: every overflow).
+    min_scale:       S never goes below this; an overflow there raises ScaleCollapseError.
+    enabled:         False makes every method a pass-through (fp32 and bf16 runs).
+    group:           the process group whose ranks must agree (default: the world).
+    """
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, hysteresis: int = 1,
+                 min_scale: float = 1.0, enabled: bool = True, group=None):
+        if not (0 < min_scale <= init_scale < float("inf")):
+            raise ValueError(f"need 0 < min_scale <= init_scale < inf, got min_scale={min_scale}, "
+                             f"init_scale={init_scale}")
+        if growth_factor <= 1.0 or not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"need growth_factor > 1 and 0 < backoff_factor < 1, got "
+                             f"{growth_factor} and {backoff_factor}")
+        for name, v in (("growth_interval", growth_interval), ("hysteresis", hysteresis)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
+        self.growth_interval, self.hysteresis = growth_interval, hysteresis
+        self.min_scale, self.enabled, self.group = float(min_scale), enabled, group
+        self._scale = float(init_scale)
+        self._growth_tracker = 0  # clean steps since the last overflow or growth
+        self._overflow_streak = 0  # consecutive overflowing steps, up to now
+        self._found_inf: dict[int, bool] = {}  # per optimizer, for the current step
+        self._stepped: set[int] = set()
+        self.skipped_steps = 0  # overflowing (skipped) steps over the whole run
+        self.last_step_skipped = False
+
+    # ---- the four calls of a training step ------------------------------------------
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """loss * S (the loss stays fp32: autocast computes the loss in fp32)."""
+        return loss * self._scale if self.enabled else loss
+
+    def get_scale(self) -> float:
+        return self._scale if self.enabled else 1.0
+
+    @torch.no_grad()
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by S in place and record whether any gradient,
+        on any rank, is inf or NaN. Call once per optimizer step, after the last
+        micro-step's backward: gradients accumulated over micro-steps are checked once."""
+        if not self.enabled:
+            return
+        if id(optimizer) in self._found_inf:
+            raise RuntimeError("unscale_() was already called for this optimizer since the last "
+                               "update(): call it once per step, after all micro-steps")
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        if any(g.dtype == torch.float16 for g in grads):
+            raise ValueError("fp16 gradients cannot be unscaled safely (1/S would underflow "
+                             "them again): keep the parameters in fp32 and let autocast cast")
+        device = grads[0].device if grads else params[0].device if params else torch.device("cpu")
+        found = torch.zeros(1, device=device)
+        if grads:
+            torch._foreach_mul_(grads, 1.0 / self._scale)
+            # not finite anywhere?  (inf stays inf and NaN stays NaN when divided by S)
+            finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+            found += (~finite).float()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            # A rank that saw an overflow must not be the only one to skip: with sharded
+            # gradients the others cannot see it. MAX makes the flag global (even a rank
+            # with no gradients joins, so the collective always matches up).
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
+        self._found_inf[id(optimizer)] = bool(found.item())
+
+    def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
+        """optimizer.step() unless the gradients overflowed (then the parameters and the
+        optimizer state are left untouched). Unscales first if unscale_ was not called."""
+        if not self.enabled:
+            return optimizer.step(*args, **kwargs)
+        if id(optimizer) in self._stepped:
+            raise RuntimeError("step() was already called for this optimizer since the last update()")
+        if id(optimizer) not in self._found_inf:
+            self.unscale_(optimizer)
+        self._stepped.add(id(optimizer))
+        if self._found_inf[id(optimizer)]:
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def update(self) -> None:
+        """Adjust S for the next step: back off on an overflow (once the streak reaches the
+        hysteresis), grow after growth_interval clean steps. All optimizers stepped since
+        the last update share one verdict: if any overflowed, the step overflowed."""
+        if not self.enabled:
+            return
+        if not self._found_inf:
+            raise RuntimeError("update() with no unscale_() or step() since the last update(): "
+                               "there is no overflow verdict to act on")
+        overflow = any(self._found_inf.values())
+        self._found_inf.clear()
+        self._stepped.clear()
+        self.last_step_skipped = overflow
+        if overflow:
+            self.skipped_steps += 1
+            self._growth_tracker = 0
+            self._overflow_streak += 1
+            if self._overflow_streak >= self.hysteresis:
+                if self._scale <= self.min_scale:
+                    raise ScaleCollapseError(
+                        f"loss scale collapsed: gradients were inf/NaN on {self._overflow_streak} "
+                        f"consecutive steps and the scale is already at min_scale={self.min_scale}. "
+                        "Scaling cannot fix gradients that overflow without amplification: the "
+                        "loss or activations themselves are non-finite, i.e. training is diverging. "
+                        "Try a lower learning rate (--lr), gradient clipping (--grad-clip), checking "
+                        "the data, or bf16 (--precision bf16), which has fp32's exponent range.")
+                self._scale = max(self._scale * self.backoff_factor, self.min_scale)
+        else:
+            self._overflow_streak = 0
+            self._growth_tracker += 1
+            if self._growth_tracker == self.growth_interval:
+                # as GradScaler, never grow past what fp32 (the loss's dtype) can hold
+                if self._scale * self.growth_factor <= FP32_MAX:
+                    self._scale *= self.growth_factor
+                self._growth_tracker = 0
+
+    # ---- checkpoints ----------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        if not self.enabled:
+            return {}
+        return {"scale": self._scale, "growth_factor": self.growth_factor,
+                "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval,
+                "hysteresis": self.hysteresis, "min_scale": self.min_scale,
+                "growth_tracker": self._growth_tracker, "overflow_streak": self._overflow_streak,
+                "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not self.enabled:
+            return
+        if not state:
+            raise RuntimeError("the state_dict is empty: it came from a disabled LossScaler")
+        self._scale = float(state["scale"])
+        self.growth_factor, self.backoff_factor = state["growth_factor"], state["backoff_factor"]
+        self.growth_interval, self.hysteresis = state["growth_interval"], state["hysteresis"]
+        self.min_scale = state["min_scale"]
+        self._growth_tracker, self._overflow_streak = state["growth_tracker"], state["overflow_streak"]
+        self.skipped_steps = state["skipped_steps"]
+
+
+def autocast(device: torch.device | str, precision: str):
+    """The forward pass's autocast context for --precision fp32|bf16|fp16. Parameters stay
+    fp32 (the master weights the optimizer updates); autocast casts them to the low
+    precision for matmuls on the fly and keeps reductions like the loss in fp32."""
+    dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if precision not in dtypes:
+        raise ValueError(f"precision must be one of {sorted(dtypes)}, got {precision!r}")
+    device_type = torch.device(device).type
+    return torch.autocast(device_type, dtype=dtypes[precision] or torch.float32,
+                          enabled=dtypes[precision] is not None)
