@@ -2,8 +2,8 @@
 implementation in the same run, as ratios (absolute times do not travel between
 machines; ratios measured side by side do).
 
-Chapter 02 (chapters/02_collectives.md) uses `collectives`, chapter 03 `ddp`; chapter 08
-collects them all.
+Chapter 02 (chapters/02_collectives.md) uses `collectives`, chapter 03 `ddp`, chapter 07
+`muon` (minidist/bench_muon.py); chapter 08 collects them all.
 Exercised by `python -m minidist.bench collectives --quick` (tests/test_bench.py).
 
 Each benchmark prints a table and writes NAME.json and NAME.png into --out.
@@ -263,7 +263,12 @@ def _plot_ddp(t, caps, path) -> None:
     plt.close(fig)
 
 
-BENCHMARKS = {"collectives": collectives, "ddp": ddp}
+def muon(args) -> dict:
+    from minidist.bench_muon import muon as run  # its own module: chapter 07's measurements
+    return run(args)
+
+
+BENCHMARKS = {"collectives": collectives, "ddp": ddp, "muon": muon}
 
 
 def main(argv=None) -> None:

@@ -46,6 +46,11 @@ import torch.distributed as dist
 FP32_MAX = torch.finfo(torch.float32).max
 
 
+def _f32(x: float) -> float:
+    """x rounded to float32, the dtype GradScaler keeps its scale in (inf if too large)."""
+    return torch.tensor(x, dtype=torch.float64).float().item()
+
+
 class ScaleCollapseError(FloatingPointError):
     """The gradients overflow even at min_scale: the run is diverging, not underflowing."""
 
@@ -77,7 +82,7 @@ class LossScaler:
         self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
         self.growth_interval, self.hysteresis = growth_interval, hysteresis
         self.min_scale, self.enabled, self.group = float(min_scale), enabled, group
-        self._scale = float(init_scale)
+        self._scale = _f32(init_scale)
         self._growth_tracker = 0  # clean steps since the last overflow or growth
         self._overflow_streak = 0  # consecutive overflowing steps, up to now
         self._found_inf: dict[int, bool] = {}  # per optimizer, for the current step
@@ -147,6 +152,14 @@ class LossScaler:
             raise RuntimeError("update() with no unscale_() or step() since the last update(): "
                                "there is no overflow verdict to act on")
         overflow = any(self._found_inf.values())
+        if overflow and self._overflow_streak + 1 >= self.hysteresis and self._scale <= self.min_scale:
+            raise ScaleCollapseError(  # raised before any state changes: the run stops here
+                f"loss scale collapsed: gradients were inf/NaN on {self._overflow_streak + 1} "
+                f"consecutive steps and the scale is already at min_scale={self.min_scale}. "
+                "Scaling cannot fix gradients that overflow without amplification: the "
+                "loss or activations themselves are non-finite, i.e. training is diverging. "
+                "Try a lower learning rate (--lr), gradient clipping (--grad-clip), checking "
+                "the data, or bf16 (--precision bf16), which has fp32's exponent range.")
         self._found_inf.clear()
         self._stepped.clear()
         self.last_step_skipped = overflow
@@ -155,22 +168,15 @@ class LossScaler:
             self._growth_tracker = 0
             self._overflow_streak += 1
             if self._overflow_streak >= self.hysteresis:
-                if self._scale <= self.min_scale:
-                    raise ScaleCollapseError(
-                        f"loss scale collapsed: gradients were inf/NaN on {self._overflow_streak} "
-                        f"consecutive steps and the scale is already at min_scale={self.min_scale}. "
-                        "Scaling cannot fix gradients that overflow without amplification: the "
-                        "loss or activations themselves are non-finite, i.e. training is diverging. "
-                        "Try a lower learning rate (--lr), gradient clipping (--grad-clip), checking "
-                        "the data, or bf16 (--precision bf16), which has fp32's exponent range.")
-                self._scale = max(self._scale * self.backoff_factor, self.min_scale)
+                self._scale = max(_f32(self._scale * self.backoff_factor), self.min_scale)
         else:
             self._overflow_streak = 0
             self._growth_tracker += 1
             if self._growth_tracker == self.growth_interval:
                 # as GradScaler, never grow past what fp32 (the loss's dtype) can hold
-                if self._scale * self.growth_factor <= FP32_MAX:
-                    self._scale *= self.growth_factor
+                grown = _f32(self._scale * self.growth_factor)
+                if grown <= FP32_MAX:
+                    self._scale = grown
                 self._growth_tracker = 0
 
     # ---- checkpoints ----------------------------------------------------------------
@@ -195,6 +201,8 @@ class LossScaler:
         self.min_scale = state["min_scale"]
         self._growth_tracker, self._overflow_streak = state["growth_tracker"], state["overflow_streak"]
         self.skipped_steps = state["skipped_steps"]
+        self._found_inf.clear()  # a step in progress belongs to the old state
+        self._stepped.clear()
 
 
 def autocast(device: torch.device | str, precision: str):

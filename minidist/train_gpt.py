@@ -29,6 +29,7 @@ import torch.distributed as dist
 from minidist import data, metrics
 from minidist.ddp import DDP, allreduce_gradients_flat, allreduce_gradients_naive, broadcast_module
 from minidist.dist import cleanup, init
+from minidist.muon import Muon, split_params
 from minidist.model import GPT, PRESETS, GPTConfig, flops_per_token, num_params
 from minidist.scaler import LossScaler, autocast
 
@@ -56,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of --lr")
     a("--warmup-steps", type=int, help="linear warmup steps")
     a("--weight-decay", type=float, default=0.1)
+    a("--optimizer", default="adamw", choices=["adamw", "muon"],
+      help="muon: Muon for the hidden matrices (shared across ranks), AdamW for the rest")
+    a("--muon-lr", type=float, default=0.02, help="Muon's peak learning rate (same schedule)")
+    a("--muon-momentum", type=float, default=0.95)
+    a("--muon-weight-decay", type=float, default=0.0)
     a("--grad-clip", type=float, default=1.0, help="max global grad norm (0: off)")
     a("--tokenizer", help="gpt2 or gpt2-<V> (auto: gpt2-2048 on CPU, gpt2 on GPU)")
     a("--data", help="glob of llm.c .bin train shards (default: embedded Shakespeare)")
@@ -110,8 +116,8 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
         p.error(f"--batch-size {args.batch_size} does not divide across {world_size} ranks x "
                 f"{args.grad_accum_steps} micro-steps: use a multiple of {parts}, "
                 f"e.g. {parts * max(1, args.batch_size // parts)}")
-    if args.lr <= 0:
-        p.error(f"--lr must be > 0, got {args.lr}")
+    if args.lr <= 0 or args.muon_lr <= 0:
+        p.error(f"--lr and --muon-lr must be > 0, got {args.lr} and {args.muon_lr}")
     try:
         make_scaler(args)
     except ValueError as e:
@@ -134,6 +140,21 @@ def make_scaler(args) -> LossScaler:
     """fp16 gets dynamic loss scaling; fp32 and bf16 a disabled (pass-through) scaler."""
     return LossScaler(init_scale=args.loss_scale_init, growth_interval=args.loss_scale_growth_interval,
                       hysteresis=args.loss_scale_hysteresis, enabled=args.precision == "fp16")
+
+
+def make_optimizers(model, args) -> list[torch.optim.Optimizer]:
+    """AdamW (weight decay on matrices only); or Muon for the hidden matrices plus AdamW
+    for embeddings, head, gains and biases. Each group remembers its peak lr."""
+    hidden, rest = split_params(model) if args.optimizer == "muon" else ([], list(model.parameters()))
+    groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": args.weight_decay},
+              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
+    opts = [torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)]
+    if hidden:
+        opts.append(Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum,
+                         weight_decay=args.muon_weight_decay))
+    for g in (g for o in opts for g in o.param_groups):
+        g["peak_lr"] = g["lr"]
+    return opts
 
 
 def forward_backward(model, micro_batches, world_size: int, ddp: DDP | None = None,
@@ -174,28 +195,6 @@ def lr_at(step: int, args) -> float:
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-@torch.no_grad()
-def evaluate(model, loader, info, tok_bytes, max_windows=None, precision="fp32") -> tuple[float, float]:
-    """(mean loss in nats per token, bits per byte) over the validation windows, all
-    ranks sharing the work, the forward pass in the training precision. Bits per byte
-    divides by the UTF-8 bytes of the predicted tokens, so it compares across tokenizers."""
-    model.eval()
-    sums = torch.zeros(3, dtype=torch.float64)  # nats, tokens, bytes
-    windows = list(loader.all_windows(max_windows))
-    for i in range(0, len(windows), 16):
-        w = torch.stack([torch.from_numpy(loader.window(j)) for j in windows[i:i + 16]])
-        x, y = w[:, :-1].to(info.device), w[:, 1:].to(info.device)
-        with autocast(info.device, precision):
-            _, loss = model(x, y, reduction="sum")
-        sums += torch.tensor([loss.item(), y.numel(), tok_bytes[w[:, 1:].numpy()].sum()],
-                             dtype=torch.float64)
-    sums = sums.to(info.device)
-    dist.all_reduce(sums)
-    model.train()
-    nats, n, nbytes = sums.tolist()
-    return nats / n, nats / math.log(2) / max(nbytes, 1)
-
-
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     args = resolve_args(args, int(os.environ.get("WORLD_SIZE", 1)))
@@ -220,11 +219,7 @@ def main(argv=None) -> dict:
     model = GPT(cfg).to(info.device)
     broadcast_module(model)  # identical start on every rank, whatever the seeds did
     ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb) if args.dp == "bucketed" else None
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    opts = make_optimizers(model, args)
     scaler = make_scaler(args)
     k = args.grad_accum_steps  # loader step s * k + m is micro-step m of optimizer step s
     train = data.TokenLoader(args.data, args.seq_len, args.batch_size // k, info.rank,
@@ -238,24 +233,26 @@ def main(argv=None) -> dict:
     log(f"minidist | {info.world_size} x {info.device.type} ({info.backend}) | {args.preset}: "
         f"{num_params(model) / 1e6:.2f}M params, {cfg.n_layer}L {cfg.n_head}H {cfg.n_embd}d, "
         f"vocab {cfg.vocab_size} ({args.tokenizer}) | batch {args.batch_size} x {args.seq_len} "
-        f"tokens ({k} micro-step{'s' if k > 1 else ''}) | dp {args.dp} | {args.precision} | {args.steps} steps | MFU vs {peak_src}")
+        f"tokens ({k} micro-step{'s' if k > 1 else ''}) | dp {args.dp} | {args.precision} | {args.optimizer} | {args.steps} steps | MFU vs {peak_src}")
 
     out = Path(args.out_dir)
     rows, tput, t_start = [], metrics.Throughput(), time.perf_counter()
     for step in range(args.steps):
         lr = lr_at(step, args)
-        for g in opt.param_groups:
-            g["lr"] = lr
+        for g in (g for o in opts for g in o.param_groups):
+            g["lr"] = g["peak_lr"] * lr / args.lr  # every group on the same schedule
         micro = [tuple(t.to(info.device) for t in train.batch(step * k + m)) for m in range(k)]
         loss = forward_backward(ddp or model, micro, info.world_size, ddp, scaler, args.precision)
         if ddp is None:  # DDP has already averaged during backward
             (allreduce_gradients_flat if args.dp == "flat" else allreduce_gradients_naive)(model)
-        scaler.unscale_(opt)  # true gradients before clipping (a no-op unless fp16)
+        for o in opts:
+            scaler.unscale_(o)  # true gradients before clipping (a no-op unless fp16)
         if args.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        scaler.step(opt)  # skipped if a gradient overflowed on any rank
+        for o in opts:
+            scaler.step(o)  # skipped if a gradient overflowed on any rank
+            o.zero_grad(set_to_none=True)
         scaler.update()
-        opt.zero_grad(set_to_none=True)
         tput.add(args.batch_size * args.seq_len)
 
         last = step == args.steps - 1
@@ -265,7 +262,7 @@ def main(argv=None) -> dict:
                 row.update(loss_scale=scaler.get_scale(), skipped_steps=scaler.skipped_steps)
             rate = tput.rate()  # training only: evaluation below is not counted
             if (step + 1) % args.eval_interval == 0 and not last:
-                row["val_loss"], _ = evaluate(model, val, info, tok_bytes, args.eval_windows,
+                row["val_loss"], _ = metrics.evaluate(model, val, info, tok_bytes, args.eval_windows,
                                               args.precision)
                 tput.rate()  # restart the clock after evaluating
             m = metrics.mfu(fpt, rate, peak, info.world_size)
@@ -281,7 +278,7 @@ def main(argv=None) -> dict:
                 + f" | mem {row['mem_gb']:.2f} GB")
 
     # by default the whole validation split
-    val_loss, bpb = evaluate(model, val, info, tok_bytes, args.final_eval_windows, args.precision)
+    val_loss, bpb = metrics.evaluate(model, val, info, tok_bytes, args.final_eval_windows, args.precision)
     train_s = time.perf_counter() - t_start
     rows.append({"step": args.steps, "val_loss": val_loss, "val_bpb": bpb})
     summary = {"val_loss": val_loss, "val_bpb": bpb, "train_seconds": train_s,

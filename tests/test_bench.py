@@ -33,3 +33,24 @@ def test_alpha_beta_fit_recovers_a_known_model():
     fit = bench.fit_alpha_beta(rows)
     assert abs(fit["alpha_s"] - alpha) / alpha < 1e-6
     assert abs(fit["bandwidth_GBps"] - 2.0) < 1e-6
+
+
+def test_muon_benchmark_quick(tmp_path):
+    r = run([sys.executable, "-m", "minidist.bench", "muon", "--quick", "--world-sizes", "2",
+             "--out", str(tmp_path)], timeout=600)
+    assert r.returncode == 0, r.stderr
+    result = json.loads((tmp_path / "muon.json").read_text())
+    assert all(row["ours_bf16_s"] > 0 and row["torch_bf16_s"] > 0 for row in result["newton_schulz"])
+    assert set(result["distributed_step_s"]) == {"1", "2"}
+    assert 0 < result["step_vs_train"]["flop_fraction"] < 1
+    runs = result["curves"]["runs"]
+    assert {r["optimizer"] for r in runs.values()} == {"adamw", "muon"}
+    assert all(len(r["curve"]) >= 2 for r in runs.values())
+    assert (tmp_path / "muon.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_newton_schulz_flop_count_matches_the_matmuls():
+    from minidist.bench_muon import ns_flops
+    m, n = 3, 7  # per step: (m x n)(n x m), (m x m)(m x m), (m x m)(m x n): 2mnm + 2mmm + 2mmn
+    assert ns_flops(m, n, steps=1) == 2 * m * n * m + 2 * m**3 + 2 * m * m * n
+    assert ns_flops(n, m) == ns_flops(m, n)  # a tall matrix is iterated transposed

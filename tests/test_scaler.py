@@ -36,13 +36,17 @@ def _drive(scaler, pattern, torch_scaler=None):
     return out
 
 
-@pytest.mark.parametrize("p_overflow, growth_interval, steps", [
-    (0.05, 3, 300), (0.3, 2, 300), (0.5, 1, 300), (0.0, 1, 130)])  # the last reaches fp32's max
-def test_hysteresis_1_matches_torch_gradscaler(p_overflow, growth_interval, steps):
+@pytest.mark.parametrize("p_overflow, growth_interval, steps, factors", [
+    (0.05, 3, 300, (2.0**16, 2.0, 0.5)), (0.3, 2, 300, (2.0**16, 2.0, 0.5)),
+    (0.5, 1, 300, (2.0**16, 2.0, 0.5)),
+    (0.0, 1, 130, (2.0**16, 2.0, 0.5)),  # reaches fp32's largest power of two
+    (0.1, 2, 300, (1000.0, 1.5, 0.7))])  # not powers of two: float32 rounding, as GradScaler
+def test_hysteresis_1_matches_torch_gradscaler(p_overflow, growth_interval, steps, factors):
     rng = random.Random(int(100 * p_overflow) + growth_interval)
     pattern = [rng.choice([float("inf"), float("-inf"), float("nan")]) if rng.random() < p_overflow
                else None for _ in range(steps)]
-    kw = dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=growth_interval)
+    kw = dict(init_scale=factors[0], growth_factor=factors[1], backoff_factor=factors[2],
+              growth_interval=growth_interval)
     ours = _drive(LossScaler(**kw, hysteresis=1, min_scale=2.0**-100), pattern)
     theirs = _drive(torch.amp.GradScaler("cpu", **kw), pattern)
     assert [o[:2] for o in ours] == [t[:2] for t in theirs]  # scales and skipped steps
@@ -76,8 +80,10 @@ def test_collapse_at_min_scale_raises_a_clear_error():
     s = LossScaler(init_scale=4.0, min_scale=1.0)
     _drive(s, [float("nan")] * 2)  # 4 -> 2 -> 1: still allowed
     assert s.get_scale() == 1.0
+    before = s.state_dict()
     with pytest.raises(ScaleCollapseError, match=r"min_scale=1\.0.*diverging.*--lr.*bf16"):
         _drive(s, [float("nan")])
+    assert s.state_dict() == before  # nothing half-updated by the failing step
 
 
 def test_state_dict_resumes_the_same_trajectory():

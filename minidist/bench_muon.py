@@ -1,0 +1,205 @@
+"""`python -m minidist.bench muon`: what Muon costs and what it buys. Chapter 07
+(chapters/07_muon.md). Exercised by `python -m minidist.bench muon --quick`
+(tests/test_bench.py).
+
+Three measurements, each beside torch's equivalent or a published bound:
+
+1. Newton-Schulz time against matrix size, ours beside torch.optim.Muon's own iteration,
+   and Muon's step against forward+backward of train_gpt's default GPT, beside the FLOP
+   estimate from Keller Jordan's Muon write-up: 5 steps on an m x n matrix cost
+   5 (4 m^2 n + 2 m^3) FLOPs against 6 m n per token of training, a fraction of about
+   5 m / tokens-per-step (under 1% for typical language-model batches).
+2. Distributed Muon's optimizer step at 1, 2 and 4 ranks, one thread per rank: the gain
+   from each rank orthogonalising only its own matrices.
+3. Muon against AdamW on the embedded corpus: same model, same tokens, a sweep of three
+   learning rates each; how many steps Muon needs to reach AdamW's best final
+   validation loss.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from minidist.dist import launch
+from minidist.model import GPT, PRESETS, GPTConfig
+from minidist.muon import Muon, newton_schulz, split_params
+
+
+def _median_time(fn, repeat: int, sync=lambda: None) -> float:
+    fn()  # warm up
+    times = []
+    for _ in range(repeat):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def ns_flops(m: int, n: int, steps: int = 5) -> int:
+    """FLOPs of `steps` Newton-Schulz iterations on an m x n matrix (m <= n after the
+    transpose): X X^T (2 m^2 n), A A (2 m^3), B X (2 m^2 n) per step."""
+    m, n = min(m, n), max(m, n)
+    return steps * (4 * m * m * n + 2 * m**3)
+
+
+def _ns_sizes(quick: bool, device):
+    from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns  # torch's, as oracle
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sizes = [(128, 512), (256, 1024)] if quick else [(128, 512), (256, 1024), (512, 2048),
+                                                     (768, 3072), (1024, 4096)]
+    rows = []
+    for m, n in sizes:
+        G = torch.randn(m, n, device=device)
+        ours = _median_time(lambda: newton_schulz(G), 3 if quick else 9, sync)
+        theirs = _median_time(lambda: torch_ns(G, (3.4445, -4.7750, 2.0315), 5, 1e-7), 3 if quick else 9, sync)
+        fp32 = _median_time(lambda: newton_schulz(G, dtype=torch.float32), 3 if quick else 9, sync)
+        rows.append(dict(m=m, n=n, ours_bf16_s=ours, torch_bf16_s=theirs, ours_fp32_s=fp32,
+                         ratio=ours / theirs, bf16_tflops=ns_flops(m, n) / ours / 1e12))
+    return rows
+
+
+def _model_cfg(quick: bool, device) -> tuple[dict, int, int]:
+    """train_gpt's default model for the device (tiny on CPU, GPT-2 on GPU), its batch."""
+    from minidist.train_gpt import AUTO
+    auto = AUTO[device.type]
+    vocab = 50257 if auto["tokenizer"] == "gpt2" else int(auto["tokenizer"].split("-")[1])
+    cfg = dict(PRESETS[auto["preset"]], vocab_size=vocab)
+    batch = auto["batch_size"]
+    if quick:
+        cfg.update(n_layer=2, n_embd=64, n_head=2)
+        batch = 4
+    return cfg, batch, cfg["block_size"]
+
+
+def _step_vs_train(quick: bool, device) -> dict:
+    """Muon's step beside forward+backward of the same model and batch, one process."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    cfg, batch, T = _model_cfg(quick, device)
+    model = GPT(GPTConfig(**cfg)).to(device)
+    hidden, _ = split_params(model)
+    x = torch.randint(0, cfg["vocab_size"], (batch, T), device=device)
+
+    def fwd_bwd():
+        model.zero_grad(set_to_none=True)
+        model(x, x)[1].backward()
+    fwd_bwd()
+    opt = Muon(hidden, lr=1e-4)
+    t_train = _median_time(fwd_bwd, 3 if quick else 7, sync)
+    t_step = _median_time(opt.step, 3 if quick else 7, sync)
+    params = sum(p.numel() for p in model.parameters())
+    flops_ns = sum(ns_flops(*p.shape) for p in hidden)
+    flops_train = 6 * params * batch * T
+    return dict(muon_step_s=t_step, fwd_bwd_s=t_train, time_fraction=t_step / t_train,
+                flop_fraction=flops_ns / flops_train, keller_estimate=5 * cfg["n_embd"] / (batch * T),
+                tokens_per_step=batch * T, config=cfg)
+
+
+def _distributed_step(cfg: dict, repeat: int) -> float | None:
+    """Median Muon step time on this rank count; one thread per rank."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**cfg))
+    hidden, _ = split_params(model)
+    for p in hidden:
+        p.grad = torch.randn_like(p)
+    opt = Muon(hidden, lr=1e-4)
+    step = lambda: (dist.barrier(), opt.step())
+    t = _median_time(step, repeat)
+    return t if dist.get_rank() == 0 else None
+
+
+def _train_curves(quick: bool, out: Path) -> dict:
+    """Muon vs AdamW, each at three learning rates, same model, data and steps."""
+    from minidist import train_gpt
+    steps, evals = (12, 4) if quick else (300, 20)
+    common = ["--device", "cpu", "--steps", str(steps), "--eval-interval", str(evals),
+              "--log-interval", str(evals), "--sample-tokens", "0", "--warmup-steps", "2" if quick else "20"]
+    windows = ["--eval-windows", "16" if quick else "256", "--final-eval-windows", "16" if quick else "256"]
+    if quick:
+        common += ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--batch-size", "8", "--seq-len", "32"]
+    runs = {}
+    for name, lrs, flag in (("adamw", [1.5e-3, 3e-3, 6e-3], "--lr"), ("muon", [0.01, 0.02, 0.04], "--muon-lr")):
+        for lr in lrs[1:2] if quick else lrs:  # --quick: a smoke test, one run each
+            argv = common + windows + ["--optimizer", name, flag, str(lr), "--out-dir", str(out / f"{name}_{lr:g}")]
+            rows = launch(train_gpt.main, 1, argv, timeout_s=3600)[0]["rows"]
+            curve = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+            runs[f"{name} lr={lr:g}"] = dict(optimizer=name, lr=lr, curve=curve, final=curve[-1][1])
+            print(f"  {name:5} lr={lr:<8g} final val loss {curve[-1][1]:.4f}")
+    best_adamw = min((r for r in runs.values() if r["optimizer"] == "adamw"), key=lambda r: r["final"])
+    target = best_adamw["final"]
+
+    def steps_to(curve):  # first step where the curve reaches target, linear in between
+        prev = (0, float("inf"))
+        for s, v in curve:
+            if v <= target:
+                return prev[0] + (s - prev[0]) * (prev[1] - target) / (prev[1] - v) if prev[1] < float("inf") else s
+            prev = (s, v)
+        return None
+    best_muon = min((r for r in runs.values() if r["optimizer"] == "muon"), key=lambda r: r["final"])
+    reach = steps_to(best_muon["curve"])
+    return dict(runs=runs, target=target, best_adamw_lr=best_adamw["lr"], best_muon_lr=best_muon["lr"],
+                muon_steps_to_target=reach, adamw_steps=steps,
+                step_ratio=reach / steps if reach is not None else None)
+
+
+def muon(args) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out = Path(args.out)
+    print("1. Newton-Schulz (5 steps), ours vs torch.optim.Muon's, by matrix size")
+    ns = _ns_sizes(args.quick, device)
+    print(f"{'m x n':>12} {'ours bf16 ms':>13} {'torch ms':>9} {'ratio':>6} {'fp32 ms':>8} {'bf16 TFLOP/s':>13}")
+    for r in ns:
+        print(f"{r['m']:>5} x {r['n']:<5} {1e3 * r['ours_bf16_s']:13.2f} {1e3 * r['torch_bf16_s']:9.2f} "
+              f"{r['ratio']:6.2f} {1e3 * r['ours_fp32_s']:8.2f} {r['bf16_tflops']:13.3f}")
+    share = _step_vs_train(args.quick, device)
+    print(f"Muon step {1e3 * share['muon_step_s']:.1f} ms vs forward+backward {1e3 * share['fwd_bwd_s']:.1f} ms "
+          f"({100 * share['time_fraction']:.1f}% of the time) | FLOPs: {100 * share['flop_fraction']:.2f}% "
+          f"of training, Keller's estimate 5m/B = {100 * share['keller_estimate']:.2f}% "
+          f"({share['tokens_per_step']} tokens per step)")
+
+    print("2. Distributed Muon step, one thread per rank")
+    cfg, _, _ = _model_cfg(args.quick, torch.device("cpu"))
+    worlds = [1] + [w for w in args.world_sizes if w > 1]
+    dist_t = {w: launch(_distributed_step, w, cfg, 5 if args.quick else 15, timeout_s=600)[0] for w in worlds}
+    for w, t in dist_t.items():
+        print(f"  {w} rank{'s' if w > 1 else ' '}: {1e3 * t:7.2f} ms  ({t / dist_t[1]:.2f}x one rank)")
+
+    print("3. Muon vs AdamW on the embedded corpus (validation loss)")
+    curves = _train_curves(args.quick, out / "muon_runs")
+    r = curves["step_ratio"]
+    print(f"AdamW's best final val loss {curves['target']:.4f} (lr {curves['best_adamw_lr']:g}); Muon "
+          f"(lr {curves['best_muon_lr']:g}) reaches it at step "
+          + (f"{curves['muon_steps_to_target']:.0f} of {curves['adamw_steps']}: {r:.2f}x the steps"
+             if r is not None else "never within the run"))
+    _plot(ns, curves, out / "muon.png")
+    return {"newton_schulz": ns, "step_vs_train": share, "distributed_step_s": dist_t,
+            "distributed_ratio": {w: t / dist_t[1] for w, t in dist_t.items()}, "curves": curves,
+            "device": device.type}
+
+
+def _plot(ns, curves, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.loglog([r["m"] * r["n"] for r in ns], [1e3 * r["ours_bf16_s"] for r in ns], "o-", label="ours bf16")
+    a.loglog([r["m"] * r["n"] for r in ns], [1e3 * r["torch_bf16_s"] for r in ns], "s--", label="torch bf16")
+    a.loglog([r["m"] * r["n"] for r in ns], [1e3 * r["ours_fp32_s"] for r in ns], "^:", label="ours fp32")
+    a.set(xlabel="matrix entries (m x 4m)", ylabel="ms", title="Newton-Schulz, 5 steps")
+    for name, run in curves["runs"].items():
+        s, v = zip(*run["curve"])
+        b.plot(s, v, "-" if run["optimizer"] == "muon" else "--", label=name)
+    b.axhline(curves["target"], color="gray", lw=0.8)
+    b.set(xlabel="step", ylabel="validation loss (nats/token)", title="Muon vs AdamW")
+    for ax in (a, b):
+        ax.legend(fontsize=7), ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
