@@ -32,6 +32,7 @@ from minidist.dist import cleanup, init
 from minidist.muon import Muon, split_params
 from minidist.model import GPT, PRESETS, GPTConfig, flops_per_token, num_params
 from minidist.scaler import LossScaler, autocast
+from minidist.zero import ShardedOptimizer
 
 # What "auto" means on each kind of device: a run that fits the machine.
 AUTO = {
@@ -74,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="gradient averaging: one all-reduce per parameter after backward, one of a flat "
            "buffer after backward, or buckets overlapped with backward (minidist.ddp.DDP)")
     a("--bucket-cap-mb", type=float, default=25.0, help="bucket size for --dp bucketed")
+    a("--zero-stage", type=int, default=0, choices=[0, 1, 2],
+      help="ZeRO: 1 shards AdamW's state over ranks, 2 also the gradients (reduce-scattered "
+           "during backward); 0 is plain data parallelism (--dp)")
     a("--grad-accum-steps", type=int, default=1,
       help="micro-steps per optimizer step; --batch-size is split over ranks and micro-steps")
     a("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
@@ -122,6 +126,9 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
         make_scaler(args)
     except ValueError as e:
         p.error(f"loss scaling: {e}")
+    if args.zero_stage and args.optimizer == "muon":
+        p.error("--optimizer muon with --zero-stage > 0: Muon needs each gradient matrix whole "
+                "and already shards its own momentum over ranks; use --zero-stage 0 with muon")
     if bool(args.data) != bool(args.val_data):
         p.error("--data and --val-data go together: give both or neither")
     try:
@@ -143,12 +150,18 @@ def make_scaler(args) -> LossScaler:
 
 
 def make_optimizers(model, args) -> list[torch.optim.Optimizer]:
-    """AdamW (weight decay on matrices only); or Muon for the hidden matrices plus AdamW
-    for embeddings, head, gains and biases. Each group remembers its peak lr."""
+    """AdamW (weight decay on matrices only), sharded by ZeRO when asked; or Muon for the
+    hidden matrices plus AdamW for embeddings, head, gains and biases. Each group
+    remembers its peak lr."""
     hidden, rest = split_params(model) if args.optimizer == "muon" else ([], list(model.parameters()))
     groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": args.weight_decay},
               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
-    opts = [torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)]
+    adamw = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    if args.zero_stage:  # ZeRO averages the gradients itself, with reduce-scatters
+        opts = [ShardedOptimizer(groups, torch.optim.AdamW, stage=args.zero_stage, reduce_gradients=True,
+                                 bucket_cap_mb=args.bucket_cap_mb, **adamw)]
+    else:
+        opts = [torch.optim.AdamW(groups, **adamw)]
     if hidden:
         opts.append(Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum,
                          weight_decay=args.muon_weight_decay))
@@ -218,8 +231,9 @@ def main(argv=None) -> dict:
                           if getattr(args, k) is not None}})
     model = GPT(cfg).to(info.device)
     broadcast_module(model)  # identical start on every rank, whatever the seeds did
-    ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb) if args.dp == "bucketed" else None
+    ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb) if args.dp == "bucketed" and not args.zero_stage else None
     opts = make_optimizers(model, args)
+    zero = opts[0] if args.zero_stage else None  # it also plays DDP's part: no_sync, averaging
     scaler = make_scaler(args)
     k = args.grad_accum_steps  # loader step s * k + m is micro-step m of optimizer step s
     train = data.TokenLoader(args.data, args.seq_len, args.batch_size // k, info.rank,
@@ -233,7 +247,7 @@ def main(argv=None) -> dict:
     log(f"minidist | {info.world_size} x {info.device.type} ({info.backend}) | {args.preset}: "
         f"{num_params(model) / 1e6:.2f}M params, {cfg.n_layer}L {cfg.n_head}H {cfg.n_embd}d, "
         f"vocab {cfg.vocab_size} ({args.tokenizer}) | batch {args.batch_size} x {args.seq_len} "
-        f"tokens ({k} micro-step{'s' if k > 1 else ''}) | dp {args.dp} | {args.precision} | {args.optimizer} | {args.steps} steps | MFU vs {peak_src}")
+        f"tokens ({k} micro-step{'s' if k > 1 else ''}) | dp {args.dp} | {args.precision} | {args.optimizer}{f' zero-{args.zero_stage}' if args.zero_stage else ''} | {args.steps} steps | MFU vs {peak_src}")
 
     out = Path(args.out_dir)
     rows, tput, t_start = [], metrics.Throughput(), time.perf_counter()
@@ -242,13 +256,14 @@ def main(argv=None) -> dict:
         for g in (g for o in opts for g in o.param_groups):
             g["lr"] = g["peak_lr"] * lr / args.lr  # every group on the same schedule
         micro = [tuple(t.to(info.device) for t in train.batch(step * k + m)) for m in range(k)]
-        loss = forward_backward(ddp or model, micro, info.world_size, ddp, scaler, args.precision)
-        if ddp is None:  # DDP has already averaged during backward
+        loss = forward_backward(ddp or model, micro, info.world_size, ddp or zero, scaler, args.precision)
+        if ddp is None and zero is None:  # DDP and ZeRO have averaged during backward
             (allreduce_gradients_flat if args.dp == "flat" else allreduce_gradients_naive)(model)
         for o in opts:
             scaler.unscale_(o)  # true gradients before clipping (a no-op unless fp16)
-        if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        if args.grad_clip > 0:  # ZeRO: the norm of the whole gradient, from the shards
+            (zero.clip_grad_norm_ if zero else lambda c: torch.nn.utils.clip_grad_norm_(
+                model.parameters(), c))(args.grad_clip)
         for o in opts:
             scaler.step(o)  # skipped if a gradient overflowed on any rank
             o.zero_grad(set_to_none=True)

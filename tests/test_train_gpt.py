@@ -23,7 +23,7 @@ _REFERENCE = {}
 
 
 @pytest.mark.parametrize("dp, world, accum", [("naive", 2, 1), ("flat", 2, 2), ("bucketed", 2, 1),
-                                              ("bucketed", 4, 2)])
+                                              ("bucketed", 4, 2), ("zero-1", 2, 2), ("zero-2", 2, 1)])
 def test_data_parallel_equals_one_process(tmp_path, dp, world, accum):
     """`world` ranks x `accum` micro-steps, each micro-batch batch/(world*accum) sequences:
     averaged gradients must give the trajectory of one process on the whole batch
@@ -32,8 +32,9 @@ def test_data_parallel_equals_one_process(tmp_path, dp, world, accum):
     if "one" not in _REFERENCE:  # the oracle does not depend on the case: compute it once
         _REFERENCE["one"] = launch(_train, 1, argv + ["--dp", "flat", "--out-dir", str(tmp_path / "one")])[0]
     one = _REFERENCE["one"]
-    many = launch(_train, world, argv + ["--dp", dp, "--grad-accum-steps", str(accum),
-                                         "--out-dir", str(tmp_path / "many")])
+    how = ["--zero-stage", dp[-1]] if dp.startswith("zero") else ["--dp", dp]
+    many = launch(_train, world, argv + how + ["--grad-accum-steps", str(accum),
+                                               "--out-dir", str(tmp_path / "many")])
     losses = lambda s: [r["loss"] for r in s["rows"] if "loss" in r]
     assert len(losses(one)) == 6
     for s in many:
@@ -64,6 +65,7 @@ def test_torchrun_end_to_end(tmp_path):
     (["--batch-size", "3"], "does not divide across 2 ranks"),
     (["--batch-size", "4", "--grad-accum-steps", "4"], "use a multiple of 8"),
     (["--dp", "bogus"], "invalid choice: 'bogus'"),
+    (["--zero-stage", "2", "--optimizer", "muon"], "Muon needs each gradient matrix whole"),
     (["--tokenizer", "sentencepiece"], "unknown tokenizer"),
     (["--warmup-steps", "50", "--steps", "10"], "--warmup-steps must be in"),
     (["--data", "/nonexistent/*.bin", "--val-data", "/nonexistent/*.bin"], "no token shards"),
