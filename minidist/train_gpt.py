@@ -32,7 +32,7 @@ from minidist.dist import cleanup, init
 from minidist.muon import Muon, split_params
 from minidist.model import GPT, PRESETS, GPTConfig, flops_per_token, num_params
 from minidist.scaler import LossScaler, autocast
-from minidist.zero import ShardedOptimizer
+from minidist.zero3 import zero_optimizer
 
 # What "auto" means on each kind of device: a run that fits the machine.
 AUTO = {
@@ -75,9 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="gradient averaging: one all-reduce per parameter after backward, one of a flat "
            "buffer after backward, or buckets overlapped with backward (minidist.ddp.DDP)")
     a("--bucket-cap-mb", type=float, default=25.0, help="bucket size for --dp bucketed")
-    a("--zero-stage", type=int, default=0, choices=[0, 1, 2],
+    a("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3],
       help="ZeRO: 1 shards AdamW's state over ranks, 2 also the gradients (reduce-scattered "
-           "during backward); 0 is plain data parallelism (--dp)")
+           "during backward), 3 also the parameters (gathered per block, prefetched); 0 is "
+           "plain data parallelism (--dp)")
     a("--grad-accum-steps", type=int, default=1,
       help="micro-steps per optimizer step; --batch-size is split over ranks and micro-steps")
     a("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
@@ -158,8 +159,8 @@ def make_optimizers(model, args) -> list[torch.optim.Optimizer]:
               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
     adamw = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     if args.zero_stage:  # ZeRO averages the gradients itself, with reduce-scatters
-        opts = [ShardedOptimizer(groups, torch.optim.AdamW, stage=args.zero_stage, reduce_gradients=True,
-                                 bucket_cap_mb=args.bucket_cap_mb, **adamw)]
+        opts = [zero_optimizer(model, groups, torch.optim.AdamW, args.zero_stage,
+                               bucket_cap_mb=args.bucket_cap_mb, **adamw)]
     else:
         opts = [torch.optim.AdamW(groups, **adamw)]
     if hidden:
@@ -300,12 +301,12 @@ def main(argv=None) -> dict:
                "skipped_steps": scaler.skipped_steps, "loss_scale": scaler.get_scale(),
                "world_size": info.world_size, "device": info.device.type,
                "params": num_params(model), "config": cfg.to_dict(), "args": vars(args)}
+    # every rank samples (the same text, same seed): under ZeRO-3 each forward is collective
+    g = torch.Generator(device=info.device).manual_seed(args.seed)
+    prompt = torch.tensor([[enc.eot_token]], device=info.device)
+    summary["sample"] = sample = enc.decode(model.generate(
+        prompt, args.sample_tokens, temperature=0.8, top_k=50, generator=g)[0, 1:].tolist())
     if info.is_main:
-        g = torch.Generator(device=info.device).manual_seed(args.seed)
-        prompt = torch.tensor([[enc.eot_token]], device=info.device)
-        sample = enc.decode(model.generate(prompt, args.sample_tokens, temperature=0.8,
-                                           top_k=50, generator=g)[0, 1:].tolist())
-        summary["sample"] = sample
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "metrics.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -122,16 +122,7 @@ class ShardedOptimizer:
                     seen.add(id(p))
                     group_of[p] = i
                     ordered.append(p)
-        # buckets in reverse order of registration: the order backward produces gradients
-        cap = (bucket_cap_mb or float("inf")) * 2**20
-        buckets, size = [[]], 0
-        for p in reversed(ordered):
-            if buckets[-1] and size + p.numel() * p.element_size() > cap:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(p)
-            size += p.numel() * p.element_size()
-        self.units = [_Unit(b, group_of, self.rank, self.world) for b in buckets]
+        self.units = self._make_units(ordered, group_of, bucket_cap_mb)
         self._unit_of = {p: u for u in self.units for p in u.params}
         shard_groups = []
         for i, g in enumerate(groups):
@@ -151,6 +142,19 @@ class ShardedOptimizer:
         if self.reduce_gradients:
             for p in ordered:
                 p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _make_units(self, ordered: list, group_of: dict, bucket_cap_mb) -> list[_Unit]:
+        """Buckets of about bucket_cap_mb, in reverse order of registration: the order in
+        which backward produces the gradients."""
+        cap = (bucket_cap_mb or float("inf")) * 2**20
+        buckets, size = [[]], 0
+        for p in reversed(ordered):
+            if buckets[-1] and size + p.numel() * p.element_size() > cap:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(p)
+            size += p.numel() * p.element_size()
+        return [_Unit(b, group_of, self.rank, self.world) for b in buckets]
 
     @property
     def param_groups(self):
@@ -181,7 +185,7 @@ class ShardedOptimizer:
             self._queued = True
         u = self._unit_of[p]
         u.ready += 1
-        if self.stage == 2 and u.ready == len(u.params):
+        if self.stage >= 2 and u.ready == len(u.params):
             self._reduce(u)
 
     def _reduce(self, u: _Unit) -> None:

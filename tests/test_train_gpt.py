@@ -23,7 +23,8 @@ _REFERENCE = {}
 
 
 @pytest.mark.parametrize("dp, world, accum", [("naive", 2, 1), ("flat", 2, 2), ("bucketed", 2, 1),
-                                              ("bucketed", 4, 2), ("zero-1", 2, 2), ("zero-2", 2, 1)])
+                                              ("bucketed", 4, 2), ("zero-1", 2, 2), ("zero-2", 2, 1),
+                                              ("zero-3", 2, 2)])
 def test_data_parallel_equals_one_process(tmp_path, dp, world, accum):
     """`world` ranks x `accum` micro-steps, each micro-batch batch/(world*accum) sequences:
     averaged gradients must give the trajectory of one process on the whole batch

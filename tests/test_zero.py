@@ -1,7 +1,8 @@
-"""ZeRO stages 1 and 2 (minidist.zero.ShardedOptimizer): equal to a plain single-process
-optimizer on the whole batch (AdamW with two param groups, SGD with momentum; gradient
-accumulation; a frozen parameter; tied weights) at 2, 3 and 4 ranks; equal to torch's
-ZeroRedundancyOptimizer; and the memory and bytes sent equal the ZeRO paper's formulas."""
+"""ZeRO stages 1, 2 (minidist.zero.ShardedOptimizer) and 3 (minidist.zero3): equal to a
+plain single-process optimizer on the whole batch (AdamW with two param groups, SGD with
+momentum; gradient accumulation; a frozen parameter; tied weights) at 2, 3 and 4 ranks;
+equal to torch's ZeroRedundancyOptimizer and FSDP2 (fully_shard); and the memory held and
+bytes sent equal the ZeRO paper's formulas, counted on the wire."""
 
 import pytest
 import torch
@@ -52,18 +53,25 @@ def _plain(opt_name):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _sharded(opt_name, stage, reduce_gradients, accum, collectives="torch"):
+def _sharded(opt_name, stage, reduce_gradients, accum, collectives="torch", prefetch=True):
     """Each rank: its slice of every batch, in `accum` micro-steps; ZeRO does the rest."""
+    import contextlib
+
     import torch.distributed as dist
 
     from minidist.ddp import allreduce_gradients_flat
     from minidist.train_gpt import forward_backward
     from minidist.zero import ShardedOptimizer
+    from minidist.zero3 import FullyShardedOptimizer
     r, n = dist.get_rank(), dist.get_world_size()
     model = _model()
     cls, kw = OPTIMIZERS[opt_name]
-    opt = ShardedOptimizer(_groups(model), cls, stage=stage, reduce_gradients=reduce_gradients,
-                           bucket_cap_mb=0.004, collectives=collectives, **kw)  # several buckets
+    if stage == 3:
+        opt = FullyShardedOptimizer(model, _groups(model), cls, prefetch=prefetch,
+                                    collectives=collectives, **kw)
+    else:
+        opt = ShardedOptimizer(_groups(model), cls, stage=stage, reduce_gradients=reduce_gradients,
+                               bucket_cap_mb=0.004, collectives=collectives, **kw)  # several buckets
     per = B // n
     for step in range(STEPS):
         x, y = _batch(step)
@@ -76,12 +84,17 @@ def _sharded(opt_name, stage, reduce_gradients, accum, collectives="torch"):
         opt.step()
         opt.zero_grad()
     pieces = sum(len(g["params"]) for g in opt.param_groups)  # shard tensors the optimizer sees
-    return [p.detach().clone() for p in model.parameters()], {**opt.memory_bytes(), "pieces": pieces,
-                                                              "buckets": len(opt.units)}
+    mem = {**opt.memory_bytes(), "pieces": pieces, "buckets": len(opt.units),
+           "unit_elements": [u.flat.numel() for u in opt.units]}
+    if stage == 3:
+        mem["root_elements"] = opt.root.flat.numel()
+    with opt.gathered() if stage == 3 else contextlib.nullcontext():  # stage 3: read, then free
+        return [p.detach().clone() for p in model.parameters()], mem
 
 
 CASES = [("adamw", 1, False, 1), ("adamw", 1, True, 2), ("adamw", 2, True, 1),
-         ("sgd", 2, True, 2), ("sgd", 1, True, 1)]
+         ("sgd", 2, True, 2), ("sgd", 1, True, 1), ("adamw", 3, True, 1), ("sgd", 3, True, 2),
+         ("adamw", 3, True, 2, "torch", False)]  # stage 3 without prefetch
 
 
 def _all_cases():
@@ -89,7 +102,7 @@ def _all_cases():
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_stages_1_and_2_equal_the_plain_optimizer(world):
+def test_every_stage_equals_the_plain_optimizer(world):
     results = launch(_all_cases, world)  # one launch for every case at this world size
     oracle = {name: _plain(name) for name in OPTIMIZERS}
     for case in CASES:
@@ -100,29 +113,56 @@ def test_stages_1_and_2_equal_the_plain_optimizer(world):
             assert mem["params"] > 0
 
 
-def _zero_redundancy_parity():
+def _torch_parity():
+    """Ours and torch's on the same model and data: ShardedOptimizer against
+    ZeroRedundancyOptimizer (whole batch on every rank: gradients already "averaged"), and
+    ZeRO-3 against FSDP2's fully_shard (each rank its slice of the batch)."""
     import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from minidist.zero import ShardedOptimizer
+    from minidist.zero3 import FullyShardedOptimizer
+    r, n = dist.get_rank(), dist.get_world_size()
+    cls, kw = OPTIMIZERS["adamw"]
     out = {}
-    for name, make in (("ours", lambda ps: ShardedOptimizer(ps, torch.optim.AdamW, lr=1e-2)),
-                       ("torch", lambda ps: ZeroRedundancyOptimizer(ps, torch.optim.AdamW, lr=1e-2))):
+    for name in ("ours_1", "zero_redundancy", "ours_3", "fully_shard"):
         model = _model()
-        opt = make([p for p in model.parameters() if p.requires_grad])
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if name == "ours_1":
+            opt = ShardedOptimizer(trainable, cls, **kw)
+        elif name == "zero_redundancy":
+            opt = ZeroRedundancyOptimizer(trainable, cls, **kw)
+        elif name == "ours_3":
+            opt = FullyShardedOptimizer(model, trainable, cls, **kw)
+        else:
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+            opt = cls([p for p in model.parameters() if p.requires_grad], **kw)
         for step in range(STEPS):
             x, y = _batch(step)
-            model(x, y)[1].backward()  # same batch on every rank: gradients already "averaged"
+            if name in ("ours_3", "fully_shard"):
+                per = B // n
+                x, y = x[r * per:(r + 1) * per], y[r * per:(r + 1) * per]
+            model(x, y)[1].backward()
             opt.step()
             opt.zero_grad()
-        out[name] = [p.detach().clone() for p in model.parameters()]
-    return out, dist.get_rank()
+        if name == "ours_3":
+            with opt.gathered():
+                out[name] = [p.detach().clone() for p in model.parameters()]
+        else:
+            out[name] = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                         for p in model.parameters()]
+    return out
 
 
-def test_sharded_optimizer_equals_zero_redundancy_optimizer():
-    for out, _ in launch(_zero_redundancy_parity, 2):
-        for a, b in zip(out["ours"], out["torch"]):
+def test_ours_equal_zero_redundancy_optimizer_and_fully_shard():
+    for out in launch(_torch_parity, 2):
+        for a, b in zip(out["ours_1"], out["zero_redundancy"]):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        for a, b in zip(out["ours_3"], out["fully_shard"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # fp32: summation order
 
 
 def _accounting():
@@ -130,7 +170,7 @@ def _accounting():
 
     from minidist.comm import count_bytes
     out = {}
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         with count_bytes() as sent:
             params, mem = _sharded("adamw", stage, True, 1, collectives="minidist")
         out[stage] = (dist.get_world_size(), mem, dict(sent))
@@ -140,7 +180,8 @@ def _accounting():
 def test_memory_and_bytes_sent_match_the_formulas():
     model = _model()
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    for n, mem, sent in (r[stage] for r in launch(_accounting, 3) for stage in (1, 2)):
+    results = launch(_accounting, 3)
+    for n, mem, sent in (r[stage] for r in results for stage in (1, 2)):
         padded = psi + mem["padding_elements"]
         assert padded % n == 0 and mem["padding_elements"] < n * mem["buckets"]  # < N per bucket
         assert mem["buckets"] > 3
@@ -153,3 +194,19 @@ def test_memory_and_bytes_sent_match_the_formulas():
         per_step = 4 * padded * (n - 1) // n
         assert sent["reduce_scatter"] == STEPS * per_step
         assert sent["all_gather"] == STEPS * per_step
+    for n, mem, sent in (r[3] for r in results):
+        padded = sum(mem["unit_elements"])
+        assert mem["params"] == 4 * padded // n  # at rest: this rank's shard, nothing gathered
+        assert mem["grads"] == 4 * padded // n
+        assert mem["optimizer_state"] == 8 * padded // n + 4 * mem["pieces"]
+        # at peak: the root (kept from forward to backward), a block, the next block prefetched
+        biggest_block = max(mem["unit_elements"][1:])
+        assert mem["root_elements"] in mem["unit_elements"]
+        assert mem["peak_gathered"] <= 4 * (mem["root_elements"] + 2 * biggest_block)
+        assert mem["peak_gathered"] >= 4 * (mem["root_elements"] + biggest_block)
+        # every unit gathered in forward, every block again in backward, gradients
+        # reduce-scattered: 3 Psi (N-1)/N less the root's second gather; then one more
+        # gather of everything, to read the parameters at the end
+        ring = lambda elements: 4 * elements * (n - 1) // n
+        assert sent["all_gather"] == STEPS * ring(2 * padded - mem["root_elements"]) + ring(padded)
+        assert sent["reduce_scatter"] == STEPS * ring(padded)
