@@ -67,6 +67,14 @@ class _Unit:
         self.grad_shard = torch.zeros_like(self.shard)  # this rank's averaged gradient
         self.ready = 0  # parameters whose gradient is complete in this backward
 
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """One view per parameter into a flat tensor laid out like this unit's buffer."""
+        out, offset = [], 0
+        for p in self.params:
+            out.append(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return out
+
     def flat_grads(self) -> torch.Tensor:
         """The parameters' local gradients in one padded flat tensor (zeros where none)."""
         flat = torch.zeros_like(self.flat)
@@ -94,7 +102,8 @@ class ShardedOptimizer:
     inside no_sync() and reduces once; stage 2 reduces every micro-step into its shard.
 
     param_groups are the shards' groups (lr and the like are set there, as usual);
-    zero_grad() zeroes the gradient shards in place; clip_grad_norm_() clips by the norm
+    zero_grad() zeroes the gradient shards in place (after a reduction, a
+    parameter's .grad is meaningful only within this rank's shard, if it exists at all); clip_grad_norm_() clips by the norm
     of the whole gradient, computed from the shards. `collectives="minidist"` runs the
     ring collectives of minidist.comm instead of torch's (synchronous, and countable with
     minidist.comm.count_bytes).
@@ -123,6 +132,14 @@ class ShardedOptimizer:
                     group_of[p] = i
                     ordered.append(p)
         self.units = self._make_units(ordered, group_of, bucket_cap_mb)
+        if self.stage == 1 and self.reduce_gradients:
+            # stage 1 keeps full gradients, in one flat buffer per bucket (p.grad are views),
+            # and reduce-scatters that buffer in place: the averaged shard is its own chunk
+            for u in self.units:
+                u.flat_grad = torch.zeros_like(u.flat)
+                u.grad_shard = u.flat_grad[u.lo:u.hi]
+                for p, view in zip(u.params, u.views(u.flat_grad)):
+                    p.grad = view
         self._unit_of = {p: u for u in self.units for p in u.params}
         shard_groups = []
         for i, g in enumerate(groups):
@@ -189,6 +206,15 @@ class ShardedOptimizer:
             self._reduce(u)
 
     def _reduce(self, u: _Unit) -> None:
+        if hasattr(u, "flat_grad"):  # stage 1: in place, in the persistent gradient buffer
+            for p, view in zip(u.params, u.views(u.flat_grad)):
+                if p.grad is None:  # someone set it to None: no gradient is zero
+                    view.zero_()
+                elif p.grad.data_ptr() != view.data_ptr():  # replaced: copy it back in
+                    view.copy_(p.grad)
+                p.grad = view
+            self._pending.append((u, None, self._reduce_scatter(u.grad_shard, u.flat_grad)))
+            return
         flat = u.flat_grads()
         for p in u.params:
             p.grad = None  # the full-size gradient is no longer needed on this rank
@@ -206,7 +232,8 @@ class ShardedOptimizer:
         for u, out, work in self._pending:
             if work is not None:
                 work.wait()
-            u.grad_shard += out  # summed over micro-steps; averaged over ranks
+            if out is not None:  # (stage 1 reduced in place)
+                u.grad_shard += out  # summed over micro-steps; averaged over ranks
         self._pending.clear()
         for u in self.units:
             u.ready = 0
@@ -233,6 +260,9 @@ class ShardedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for u in self.units:
             u.grad_shard.zero_()
+            if hasattr(u, "flat_grad"):  # stage 1: the buffer stays, p.grad stay its views
+                u.flat_grad.zero_()
+                continue
             for p in u.params:
                 p.grad = None if set_to_none else (p.grad.zero_() if p.grad is not None else None)
 
@@ -255,8 +285,9 @@ class ShardedOptimizer:
         nbytes = lambda t: t.numel() * t.element_size()
         state = sum(nbytes(v) for s in self.optim.state.values() for v in s.values()
                     if torch.is_tensor(v))
-        grads = sum(nbytes(u.grad_shard) for u in self.units)
-        grads += sum(nbytes(p.grad) for u in self.units for p in u.params if p.grad is not None)
+        grads = sum(nbytes(u.flat_grad) if hasattr(u, "flat_grad") else  # p.grad: views
+                    nbytes(u.grad_shard) + sum(nbytes(p.grad) for p in u.params if p.grad is not None)
+                    for u in self.units)
         return {"params": sum(nbytes(u.flat) for u in self.units), "grads": grads,
                 "optimizer_state": state, "padding_elements": sum(
                     u.flat.numel() - sum(p.numel() for p in u.params) for u in self.units)}
