@@ -2,8 +2,9 @@
 implementation in the same run, as ratios (absolute times do not travel between
 machines; ratios measured side by side do).
 
-Chapter 02 (chapters/02_collectives.md) uses `collectives`, chapter 03 `ddp`, chapter 07
-`muon` (minidist/bench_muon.py); chapter 08 collects them all.
+Chapter 02 (chapters/02_collectives.md) uses `collectives`, chapter 03 `ddp`, chapter 06
+`zero` (minidist/bench_zero.py), chapter 07 `muon` (minidist/bench_muon.py); chapter 08
+collects them all.
 Exercised by `python -m minidist.bench collectives --quick` (tests/test_bench.py).
 
 Each benchmark prints a table and writes NAME.json and NAME.png into --out.
@@ -268,7 +269,12 @@ def muon(args) -> dict:
     return run(args)
 
 
-BENCHMARKS = {"collectives": collectives, "ddp": ddp, "muon": muon}
+def zero(args) -> dict:
+    from minidist.bench_zero import zero as run  # its own module: chapter 06's measurements
+    return run(args)
+
+
+BENCHMARKS = {"collectives": collectives, "ddp": ddp, "muon": muon, "zero": zero}
 
 
 def main(argv=None) -> None:

@@ -5,7 +5,7 @@ ratios, and the alpha-beta fit is checked against data whose alpha and beta are 
 import json
 import sys
 
-from minidist import bench
+from minidist import bench, bench_zero
 from conftest import run
 
 
@@ -54,3 +54,23 @@ def test_newton_schulz_flop_count_matches_the_matmuls():
     m, n = 3, 7  # per step: (m x n)(n x m), (m x m)(m x m), (m x m)(m x n): 2mnm + 2mmm + 2mmn
     assert ns_flops(m, n, steps=1) == 2 * m * n * m + 2 * m**3 + 2 * m * m * n
     assert ns_flops(n, m) == ns_flops(m, n)  # a tall matrix is iterated transposed
+
+
+def test_zero_benchmark_quick(tmp_path):
+    r = run([sys.executable, "-m", "minidist.bench", "zero", "--quick", "--world-sizes", "2",
+             "--out", str(tmp_path)], timeout=600)
+    assert r.returncode == 0, r.stderr
+    result = json.loads((tmp_path / "zero.json").read_text())
+    run2 = result["runs"]["2"]
+    for name, mem in run2["memory"].items():  # measured tensor bytes vs the paper's formula
+        held = mem["params"] + mem["grads"] + mem["optimizer_state"]
+        f = bench_zero.formula_bytes(result["psi"], 2, int(name[5]))
+        assert abs(held / f - 1) < 0.05, (name, held, f)
+    assert set(run2["step_s"]) == set(bench_zero.VARIANTS)
+    assert (tmp_path / "zero.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_zero_formula_reproduces_the_papers_example():
+    # Rajbhandari et al. 2020, figure 1: 7.5B parameters, N = 64, K = 12, fp16 params/grads
+    gb = [bench_zero.formula_bytes(7.5e9, 64, s, k=12, p=2, g=2) / 1e9 for s in range(4)]
+    assert [round(v, 1) for v in gb] == [120.0, 31.4, 16.6, 1.9]

@@ -1,0 +1,166 @@
+"""`python -m minidist.bench zero`: memory, bytes sent and step time of ZeRO stages 0-3.
+Chapter 06 (chapters/06_zero.md). Exercised by `python -m minidist.bench zero --quick`
+(tests/test_bench.py).
+
+For train_gpt's default model with AdamW, at each world size: the tensor bytes each rank
+holds after a step (parameters, gradients, optimizer state), beside the ZeRO paper's
+formula with K = 8 (fp32 parameters and AdamW's two moments, see chapter 05); the bytes
+each rank sends per step, counted on the wire by running minidist's ring collectives; the
+step time of each stage relative to stage 0 (torch's collectives, variants interleaved in
+rounds so that load drift hits all alike); and ZeRO-3 with and without prefetch. Then the
+paper's formulas for larger models and clusters (K = 12, mixed precision), reproducing its
+7.5B-parameter, 64-GPU example.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from minidist.dist import launch
+
+
+def formula_bytes(psi: float, n: int, stage: int, k: int = 8, p: int = 4, g: int = 4) -> float:
+    """Per-rank bytes of parameters (p per element), gradients (g) and optimizer state (k)
+    under ZeRO `stage` on n ranks (Rajbhandari et al., 2020, figure 1)."""
+    params, grads, state = p * psi, g * psi, k * psi
+    if stage >= 1:
+        state /= n
+    if stage >= 2:
+        grads /= n
+    if stage >= 3:
+        params /= n
+    return params + grads + state
+
+
+VARIANTS = ["stage0", "stage1", "stage2", "stage3", "stage3_no_prefetch"]
+
+
+def _build(name, cfg, collectives):
+    from minidist.ddp import DDP
+    from minidist.model import GPT, GPTConfig
+    from minidist.zero3 import zero_optimizer
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**cfg))
+    kw = dict(lr=1e-4, betas=(0.9, 0.95))
+    if name == "stage0":
+        ddp = DDP(model)
+        return ddp, torch.optim.AdamW(model.parameters(), **kw), None
+    stage = int(name[5])
+    opt = zero_optimizer(model, list(model.parameters()), torch.optim.AdamW, stage,
+                         prefetch=not name.endswith("no_prefetch"), collectives=collectives, **kw)
+    return model, opt, opt
+
+
+def _measure(cfg, per_rank_batch, rounds, steps):
+    from minidist.comm import all_reduce, count_bytes
+    from minidist.train_gpt import forward_backward
+    nbytes = lambda t: t.numel() * t.element_size()
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, cfg["vocab_size"], (per_rank_batch, cfg["block_size"]), generator=g)
+    micro = [(x, torch.roll(x, -1, 1))]
+    out = {"memory": {}, "sent": {}}
+    for name in VARIANTS[:4]:  # bytes on the wire and memory, with the ring collectives
+        fwd, opt, zero = _build(name, cfg, "minidist")
+        for i in range(2):  # the first step creates the optimizer state; count the second
+            with count_bytes() as sent:
+                forward_backward(fwd, micro, dist.get_world_size(), zero)
+                if zero is None:  # stage 0: the average DDP takes, on the ring, to count it
+                    flat = torch.cat([p.grad.flatten() for p in fwd.module.parameters()])
+                    all_reduce(flat, op="avg")
+                opt.step()
+            if i == 1:  # after the step, before zero_grad: every gradient still held
+                out["sent"][name] = sum(sent.values())
+                out["memory"][name] = opt.memory_bytes() if zero else {
+                    "params": sum(nbytes(p) for p in fwd.module.parameters()),
+                    "grads": sum(nbytes(p.grad) for p in fwd.module.parameters()),
+                    "optimizer_state": sum(nbytes(v) for s in opt.state.values() for v in s.values())}
+            opt.zero_grad()
+    runners = {n: _build(n, cfg, "torch") for n in VARIANTS}
+
+    def step(n):
+        fwd, opt, zero = runners[n]
+        forward_backward(fwd, micro, dist.get_world_size(), zero)
+        opt.step()
+        opt.zero_grad()
+    for n in VARIANTS:
+        step(n)  # warm up
+    times = {n: [] for n in VARIANTS}
+    for _ in range(rounds):
+        for n in VARIANTS:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step(n)
+            times[n].append((time.perf_counter() - t0) / steps)
+    out["step_s"] = {n: statistics.median(t) for n, t in times.items()}
+    return out if rank == 0 else None
+
+
+def zero(args) -> dict:
+    from minidist.model import PRESETS, config_num_params, GPTConfig
+    from minidist.train_gpt import AUTO
+    cfg = dict(PRESETS["tiny"], vocab_size=2048)  # train_gpt's CPU default model
+    global_batch, rounds, steps = AUTO["cpu"]["batch_size"], 8, 2
+    if args.quick:
+        cfg.update(n_layer=2, n_embd=64, n_head=2)
+        global_batch, rounds, steps = 8, 2, 1
+    psi = config_num_params(GPTConfig(**cfg))
+    result = {"psi": psi, "config": cfg, "runs": {}}
+    print(f"default GPT (tiny, vocab 2048): {psi:,} parameters, AdamW, fp32 (K = 8)")
+    for n in args.world_sizes:
+        r = launch(_measure, n, cfg, global_batch // n, rounds, steps, timeout_s=900)[0]
+        result["runs"][n] = r
+        print(f"\nN = {n}: {'stage':20} {'held MB':>8} {'formula MB':>10} {'ratio':>6} "
+              f"{'sent MB':>8} {'x Psi(N-1)/N':>12} {'step vs 0':>9}")
+        for name in VARIANTS:
+            stage = int(name[5])
+            line = f"{'':7}{name:20}"
+            if name in r["memory"]:
+                m = r["memory"][name]
+                held = m["params"] + m["grads"] + m["optimizer_state"]
+                f = formula_bytes(psi, n, stage)
+                line += (f" {held / 1e6:8.3f} {f / 1e6:10.3f} {held / f:6.3f} {r['sent'][name] / 1e6:8.3f}"
+                         f" {r['sent'][name] / (4 * psi * (n - 1) / n):12.2f}")
+            else:
+                line += " " * 49
+            print(line + f" {r['step_s'][name] / r['step_s']['stage0']:9.3f}")
+        pre = r["step_s"]["stage3_no_prefetch"] / r["step_s"]["stage3"]
+        print(f"{'':7}ZeRO-3 prefetch: step time without / with = {pre:.3f}")
+    print("\nThe paper's formulas, mixed-precision Adam (2 + 2 + K = 12 bytes per parameter), GB per rank:")
+    table = {}
+    print(f"{'model':>10} {'N':>4} {'stage 0':>8} {'stage 1':>8} {'stage 2':>8} {'stage 3':>8}")
+    for label, size in (("GPT-2 124M", 124e6), ("1.5B", 1.5e9), ("7.5B", 7.5e9)):
+        for n in (8, 64):
+            row = [formula_bytes(size, n, s, k=12, p=2, g=2) / 1e9 for s in range(4)]
+            table[f"{label} N={n}"] = row
+            print(f"{label:>10} {n:4d} " + " ".join(f"{v:8.2f}" for v in row))
+    result["paper_table_gb"] = table
+    _plot(result, Path(args.out) / "zero.png")
+    return result
+
+
+def _plot(result, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    runs = result["runs"]
+    fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 4), squeeze=False)
+    for ax, (n, r) in zip(axes[0], runs.items()):
+        names = [v for v in VARIANTS if v in r["memory"]]
+        held = [sum(r["memory"][v][k] for k in ("params", "grads", "optimizer_state")) / 1e6 for v in names]
+        form = [formula_bytes(result["psi"], n, int(v[5])) / 1e6 for v in names]
+        xs = range(len(names))
+        ax.bar([x - 0.2 for x in xs], held, 0.4, label="measured")
+        ax.bar([x + 0.2 for x in xs], form, 0.4, label="formula")
+        ax.set_xticks(list(xs), names)
+        ax.set(ylabel="MB per rank", title=f"ZeRO memory per rank, N={n}")
+        ax.legend(), ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
