@@ -1,0 +1,285 @@
+"""Exercise 05's grader catches the classic mistakes of a loss scaler, each in the checks
+it belongs to; a solution written the way the exercise asks scores full; and the
+grader's own oracles hold together (its written-out rule is GradScaler's at
+hysteresis=1, its hand-worked sequences follow the rule, its patterns stay in range).
+
+(tests/test_exercises.py proves that the stub scores 0 and minidist scores full.) Each
+process launch costs seconds here, so one launch runs the 2-rank part for the plain
+solution and for the mistake that concerns ranks; the other mistakes are graded by the
+single-process checks.
+The scalers live at module level: cloudpickle ships them to the ranks by name.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from exercises import checks_05 as C5
+from exercises import grade as G
+
+
+# -- 0. a plain solution, written the way the exercise asks; the mistakes change one piece
+
+class Plain:
+    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
+                 growth_interval=2000, hysteresis=1, min_scale=1.0):
+        self.s, self.gf, self.bf = float(init_scale), growth_factor, backoff_factor
+        self.gi, self.h, self.min_scale = growth_interval, hysteresis, min_scale
+        self.tracker = self.streak = 0
+        self.found = None
+
+    def scale(self, loss):
+        return loss * self.s
+
+    def get_scale(self):
+        return self.s
+
+    def _overflowed(self, grads):
+        return not all(bool(torch.isfinite(g).all()) for g in grads)
+
+    def _agree(self, flag):
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag
+
+    @torch.no_grad()
+    def unscale_(self, optimizer):
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        for g in grads:
+            g.div_(self.s)
+        flag = torch.tensor([1.0 if self._overflowed(grads) else 0.0])
+        self.found = bool(self._agree(flag).item())
+
+    def step(self, optimizer):
+        if self.found is None:
+            self.unscale_(optimizer)
+        return None if self.found else optimizer.step()
+
+    def update(self):
+        self._overflow() if self.found else self._clean()
+        self.found = None
+
+    def _collapse(self):
+        raise FloatingPointError(f"loss scale at min_scale={self.min_scale} and still overflowing: "
+                                 "try a lower learning rate, gradient clipping or bf16")
+
+    def _overflow(self):
+        self.streak, self.tracker = self.streak + 1, 0
+        if self.streak >= self.h:
+            if self.s <= self.min_scale:
+                self._collapse()
+            self.s = max(self.s * self.bf, self.min_scale)
+
+    def _grow(self):
+        if self.s * self.gf <= torch.finfo(torch.float32).max:
+            self.s *= self.gf
+
+    def _clean(self):
+        self.streak, self.tracker = 0, self.tracker + 1
+        if self.tracker == self.gi:
+            self.tracker = 0
+            self._grow()
+
+    def state_dict(self):
+        return {"scale": self.s, "tracker": self.tracker, "streak": self.streak}
+
+    def load_state_dict(self, state):
+        self.s, self.tracker, self.streak = state["scale"], state["tracker"], state["streak"]
+
+
+# -- the mistakes
+
+class NeverSkips(Plain):  # right verdict, but steps anyway
+    def step(self, optimizer):
+        if self.found is None:
+            self.unscale_(optimizer)
+        return optimizer.step()
+
+
+class NoHysteresis(Plain):  # every overflow backs off
+    def _overflow(self):
+        self.tracker = 0
+        if self.s <= self.min_scale:
+            self._collapse()
+        self.s = max(self.s * self.bf, self.min_scale)
+
+
+class CleanStepKeepsStreak(Plain):  # DeepSpeed's default: only growth refills the allowance
+    def _clean(self):
+        self.tracker += 1
+        if self.tracker == self.gi:
+            self.tracker = self.streak = 0
+            self._grow()
+
+
+class TrackerKeptOnOverflow(Plain):  # an overflow does not restart the count to growth
+    def _overflow(self):
+        tracker = self.tracker
+        super()._overflow()
+        self.tracker = tracker
+
+
+class IsinfOnly(Plain):  # NaN slips through
+    def _overflowed(self, grads):
+        return any(bool(torch.isinf(g).any()) for g in grads)
+
+
+class GrowsPastFp32(Plain):  # Python floats go to 1.8e308; the loss is fp32
+    def _grow(self):
+        if math.isfinite(self.s * self.gf):
+            self.s *= self.gf
+
+
+class NoCollapseError(Plain):  # sits at min_scale forever
+    def _collapse(self):
+        pass
+
+
+class UnhelpfulCollapseError(Plain):
+    def _collapse(self):
+        raise FloatingPointError("loss scale collapsed")
+
+
+class StateWithoutCounters(Plain):
+    def state_dict(self):
+        return {"scale": self.s}
+
+    def load_state_dict(self, state):
+        self.s = state["scale"]
+
+
+class UnscalesTwice(Plain):  # step() unscales even after unscale_()
+    def step(self, optimizer):
+        self.unscale_(optimizer)
+        return None if self.found else optimizer.step()
+
+
+class NeverUnscales(Plain):  # right verdict, but the optimizer sees S times the gradient
+    @torch.no_grad()
+    def unscale_(self, optimizer):
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        self.found = bool(self._agree(torch.tensor([1.0 if self._overflowed(grads) else 0.0])).item())
+
+
+class LocalVerdict(Plain):  # each rank decides alone
+    def _agree(self, flag):
+        return flag
+
+
+# The checks of exercise 05, by a word of their names.
+CHECK5 = {"scale": "scale() and unscale_()", "random": "random inf", "params": "skipped steps leave",
+          "ceiling": "float32's maximum", "hysteresis": "hysteresis: back off",
+          "nonfinite": "NaN and -inf are", "min_scale": "min_scale:", "state": "state_dict",
+          "ranks": "2 ranks"}
+
+MISTAKES5 = {
+    # name: (scaler, checks that must fail, a phrase each failure message contains)
+    "never skips": (NeverSkips, {"random", "params", "ceiling", "hysteresis", "nonfinite", "min_scale"},
+                    "optimizer.step()"),
+    "no hysteresis": (NoHysteresis, {"hysteresis", "min_scale"}, "back off only once the streak"),
+    "a clean step keeps the streak": (CleanStepKeepsStreak, {"hysteresis", "min_scale"},
+                                      "a clean step ends a streak"),
+    "growth tracker kept on overflow": (TrackerKeptOnOverflow, {"random", "hysteresis"},
+                                        "resets the tracker"),
+    "inf only, NaN missed": (IsinfOnly, {"random", "params", "ceiling", "hysteresis", "nonfinite"},
+                             "isfinite"),
+    "grows past float32's max": (GrowsPastFp32, {"ceiling"}, "float32's largest value"),
+    "no error at min_scale": (NoCollapseError, {"min_scale"}, "no FloatingPointError"),
+    "an error that says nothing": (UnhelpfulCollapseError, {"min_scale"}, "say what to try"),
+    "state without counters": (StateWithoutCounters, {"state"}, "growth tracker and the overflow streak"),
+    "unscales twice": (UnscalesTwice, {"scale", "params"}, "divided by S twice"),
+    "never unscales": (NeverUnscales, {"scale", "params"}, "S times too large"),
+}
+
+
+def _failed(result):
+    failed = {c.name: c.message for c in result.checks if not c.ok}
+    return {k for k, v in CHECK5.items() if any(v in name for name in failed)}, failed
+
+
+def test_05_check_keys_name_each_check_once():
+    names = [c.name for c in G.checks_of("05")]
+    assert all(sum(v in n for n in names) == 1 for v in CHECK5.values()), names
+    assert len(names) == len(CHECK5)
+
+
+@pytest.mark.parametrize("mistake", list(MISTAKES5))
+def test_05_mistake_loses_the_points_of_its_checks(mistake, monkeypatch):
+    scaler, must_fail, phrase = MISTAKES5[mistake]
+    # the single-process checks only: a launch per mistake would cost seconds each
+    monkeypatch.setitem(G.CHECKS, "05", [c for c in G.checks_of("05") if CHECK5["ranks"] not in c.name])
+    r = G.grade("05", overrides=dict(LossScaler=scaler))
+    which, messages = _failed(r)
+    assert which == must_fail, messages
+    assert 0 < r.points < r.max_points
+    for name, msg in messages.items():
+        assert phrase in msg and "not implemented" not in msg, (name, msg)
+
+
+def _plain_on_ranks(fns, r, n):
+    return C5._ranks_part({"LossScaler": Plain}, r, n)
+
+
+def _local_on_ranks(fns, r, n):
+    return C5._ranks_part({"LossScaler": LocalVerdict}, r, n)
+
+
+def test_05_a_plain_solution_scores_full_and_ranks_that_decide_alone_lose_the_ranks_check(monkeypatch):
+    # both on 2 ranks in one launch (each costs seconds), then graded as the grader would
+    ranks = C5.H.run_all({"plain": _plain_on_ranks, "local": _local_on_ranks}, {},
+                         {2: ["plain", "local"]}, C5.TIMEOUT_S, C5.HANG_HINT)
+    for scaler, part in ((Plain, "plain"), (LocalVerdict, "local")):
+        monkeypatch.setattr(C5, "_results", lambda impl, part=part: {("ranks", 2): ranks[part, 2]})
+        r = G.grade("05", overrides=dict(LossScaler=scaler))
+        which, messages = _failed(r)
+        if scaler is Plain:
+            assert r.points == r.max_points, messages
+        else:
+            assert which == {"ranks"}, messages
+            assert "ReduceOp.MAX" in next(iter(messages.values()))
+
+
+def test_05_the_stub_is_graded_without_starting_processes(monkeypatch):
+    def no_launch(*a, **k):
+        raise AssertionError("a stub needs no launch")
+    monkeypatch.setattr(C5.H, "run_all", no_launch)
+    r = G.grade("05")
+    assert r.points == 0 and all(c.message.startswith("not implemented: ") for c in r.checks)
+
+
+# -- the grader's oracles
+
+def test_05_the_written_rule_is_gradscalers_at_hysteresis_1():
+    for _, pattern, kw in C5.RANDOM + [C5.CEILING]:
+        assert C5._trajectory(C5._gradscaler(pattern, **kw)) == C5._rule(pattern, **kw)
+
+
+def test_05_hand_worked_sequences_follow_the_rule():
+    _, pattern, kw, scales = C5.HYSTERESIS_2
+    assert C5._rule(pattern, **kw) == [(k != ".", float(s)) for k, s in zip(pattern, scales)]
+    _, pattern, scales = C5.NONFINITE
+    kw = dict(init_scale=1024.0, growth_interval=1000)
+    want = [(k != ".", float(s)) for k, s in zip(pattern, scales)]
+    assert C5._rule(pattern, **kw) == want == C5._trajectory(C5._gradscaler(pattern, **kw))
+    for kw, pattern, scales in C5.MIN_SCALE:
+        assert [s for _, s in C5._rule(pattern[:-1], **kw)] == scales
+        assert scales[-1] == kw["min_scale"] and pattern[-1] != "."  # the last step must raise
+    for _, (steps, kw) in C5.RANKS.items():  # each rank alone would decide differently
+        union = "".join(next((k for k in s if k != "."), ".") for s in steps)
+        for r in (0, 1):
+            assert C5._rule("".join(s[r] for s in steps), **kw) != C5._rule(union, **kw)
+
+
+def test_05_patterns_move_the_scale_and_stay_in_range():
+    for _, pattern, kw in C5.RANDOM:
+        scales = [s for _, s in C5._rule(pattern, **kw)]
+        assert len(set(scales)) > 10  # grows and backs off many times
+        assert 2.0**-60 < min(scales) and max(scales) < 2.0**100  # far from min_scale and fp32's max
+        assert set("I-N") <= set(pattern)
+    _, pattern, kw = C5.HYSTERESIS_3
+    assert 2.0**-40 < min(s for _, s in C5._rule(pattern, **kw))
+    _, pattern, kw = C5.CEILING
+    scales = [s for _, s in C5._rule(pattern, **kw)]
+    assert max(scales) == 2.0**127 and scales.count(2.0**127) > 20  # growth refused there, often
