@@ -100,10 +100,11 @@ class Throughput:
 
 
 def plot_losses(rows, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
+    """Train and validation loss against step, saved to `path` (a Figure of its own: no
+    pyplot, so a notebook's backend is left as it was)."""
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
     tr = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     va = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
     ax.plot(*zip(*tr), label="train")
@@ -112,7 +113,6 @@ def plot_losses(rows, path) -> None:
     ax.set(xlabel="step", ylabel="loss (nats/token)", title="minidist train_gpt")
     ax.legend(), ax.grid(alpha=0.3)
     fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
 
 
 @torch.no_grad()

@@ -109,6 +109,7 @@ def test_muon_refuses_what_it_cannot_optimise():
 
 def _distributed():
     import torch.distributed as dist
+    torch.set_num_threads(1)  # as the oracle: fp32 matmul sums in an order set by threads
     result = {}
     for ns_dtype in (torch.float32, torch.bfloat16):
         out, opt = _run(lambda ps: Muon(ps, lr=0.02, weight_decay=0.1, ns_dtype=ns_dtype))
@@ -123,8 +124,15 @@ def test_distributed_muon_equals_one_process(world):
     one process's, to the bit (the same operations on the same values), in fp32 and bf16;
     the momentum is spread over the ranks."""
     results = launch(_distributed, world)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        oracle = {d: _run(lambda ps: Muon(ps, lr=0.02, weight_decay=0.1, ns_dtype=d))[0]
+                  for d in (torch.float32, torch.bfloat16)}
+    finally:
+        torch.set_num_threads(threads)
     for ns_dtype in (torch.float32, torch.bfloat16):
-        one, opt = _run(lambda ps: Muon(ps, lr=0.02, weight_decay=0.1, ns_dtype=ns_dtype))
+        one = oracle[ns_dtype]
         total = sum(p.numel() * 4 for p in _params())
         for n, out, momentum in (r[ns_dtype] for r in results):
             assert n == world and all(torch.equal(a, b) for a, b in zip(out, one))
