@@ -1,0 +1,196 @@
+"""Exercise 07: Newton-Schulz orthogonalisation, and Muon spread over ranks.
+
+Chapter 07 (chapters/07_muon.md) updates each hidden weight matrix with its momentum made
+orthogonal: M = U S V^T becomes (about) U V^T, every singular value close to 1, so the
+step moves the matrix as far along every direction the gradient points in, not mostly
+along the few with large singular values. An SVD would be slow on accelerators; a few
+matrix products are fast. Two parts:
+
+(a) newton_schulz(G, steps=5, dtype=torch.bfloat16, eps=1e-7): approximately U V^T by
+    the quintic iteration with Keller Jordan's coefficients (a, b, c) = NS_COEFFICIENTS:
+
+        X = G, in `dtype`                            (bf16 by default)
+        if X has more rows than columns: X = X^T     (then X X^T is the smaller matrix)
+        X = X / max(||X||_F, eps)                    (every singular value now in [0, 1])
+        repeat `steps` times:
+            A = X X^T
+            B = b A + c A^2
+            X = a X + B X
+        transpose back if you transposed; return X (in `dtype`)
+
+    Each step sends every singular value s of X to p(s) = a s + b s^3 + c s^5 and keeps
+    the singular vectors U and V; p's slope at 0 is 3.4445, so small values grow fast,
+    and after five steps they sit in a band around 1 (about 0.7 to 1.1).
+
+(b) Muon: an optimizer with torch.optim.Muon's arithmetic that, on N ranks, gives each
+    weight matrix one owner rank. Only the owner keeps the matrix's momentum (1/N of the
+    optimizer state per rank) and runs its Newton-Schulz (1/N of the work); the
+    orthogonalised updates reach every rank by all_gather, and every rank applies every
+    update. The constructor (the same as minidist.muon.Muon's), _world() and _apply() are
+    written for you below; write _update() and step().
+
+Implement, replacing each `raise NotImplementedError(...)`: newton_schulz, Muon._update
+and Muon.step.
+
+Rules for (a) (the grader checks each):
+- The last two dimensions are the matrix; leading ones are a batch: each matrix of the
+  batch is its own problem, normalised by its own norm (X.norm(dim=(-2, -1),
+  keepdim=True)), and the result equals newton_schulz of each matrix alone.
+- Transpose tall matrices (rows > cols) and iterate on the wide side: the Gram matrix
+  X X^T is then min(rows, cols) square, the cheaper one. The grader counts the FLOPs.
+- The iteration runs in `dtype` and the result has that dtype; G itself is left as it
+  was (Muon hands you its momentum buffer: dividing it in place would corrupt it).
+- An all-zero matrix gives zeros, not NaN: that is what eps is for.
+- In bf16 the result equals torch's own Newton-Schulz to the bit
+  (torch.optim._muon._zeropower_via_newtonschulz, the oracle). For that, compute as it
+  does: convert to `dtype` first, then normalise (the norm computed in `dtype`); on X of
+  shape (batch, m, n), A = torch.bmm(X, X.mT), B = torch.baddbmm(A, A, A, beta=b,
+  alpha=c) and X = torch.baddbmm(X, B, X, beta=a) (torch.mm and torch.addmm for a
+  single matrix are the same arithmetic). `b * A + c * A @ A` is the same mathematics,
+  rounded differently. (On a CPU, prefer torch.bmm to `@` on 3-D bf16 tensors: the same
+  bits, and here a hundred times faster.)
+
+Rules for (b):
+- One process (no process group, or one of a single rank): for each parameter with a
+  gradient, in order, as torch.optim.Muon does:
+
+      buf = self.state[p]["momentum_buffer"]     (zeros like p at first)
+      buf.lerp_(p.grad, 1 - momentum)            (buf = momentum buf + (1 - momentum) grad)
+      M = p.grad.lerp(buf, momentum) if nesterov else buf
+      O = ns_reference(M, ns_steps, self.ns_dtype)
+      self._apply(p, O, group)                   (weight decay, then the adjusted step)
+
+  A parameter whose grad is None is left alone: no momentum, no weight decay, no step.
+  The grader compares with torch.optim.Muon, bit for bit.
+- N ranks (data parallelism: every rank holds the same parameters and, after the
+  all-reduce of chapter 03, the same gradients; all ranks agree which are None):
+  * every matrix has one owner rank, the same on every rank; only the owner keeps its
+    momentum, in self.state[p]["momentum_buffer"] (where the grader looks), and runs its
+    Newton-Schulz. Deal the matrices out so each rank holds about 1/N of the momentum:
+    the grader wants each rank's share at most total / N plus the largest matrix. A
+    balanced way: sort the matrices by cost, largest first, and deal them out in rounds
+    of N, the r-th matrix of each round to rank r.
+  * the updates travel by dist.all_gather (for instance one per round, one slot per rank,
+    each slot [flag, flattened update, zero padding] in ns_dtype, flag 0 meaning "no
+    update"); every rank applies every update with self._apply, so the parameters stay
+    the same on every rank, and equal to one process's, to the bit.
+  * every rank joins every collective, in the same order, with the same sizes: also the
+    owner of a matrix without a gradient, and a rank that owns nothing in a round. A
+    rank that skips one leaves the others waiting forever (the grader's timeout ends it).
+  * call dist.get_rank(self.group) / dist.get_world_size(self.group) through
+    self._world(); pass group=self.group to dist.all_gather.
+- Part (b) orthogonalises with ns_reference, minidist's newton_schulz (imported below),
+  so its marks do not depend on part (a); your newton_schulz gives the same bits once it
+  matches torch's.
+
+Grade your work with
+
+    python -m exercises.grade 07
+
+(the Muon checks start 2 and 3 processes on this machine: allow half a minute), and see
+what full marks look like with `python -m exercises.grade 07 --reference`, which grades
+minidist's own implementations (named in REFERENCE below) instead of yours. A rank that
+waits more than 20 seconds for the others (a hang) fails its check.
+
+To experiment, run a function of your own on several processes with
+`minidist.dist.launch(fn, 2, *args)`: it returns each rank's return value and re-raises a
+rank's exception here, with "[rank r of 2]" in front. torch.optim.Muon is the
+single-process oracle: `torch.optim.Muon(params, lr=..., weight_decay=..., momentum=...,
+nesterov=..., ns_steps=..., adjust_lr_fn=...)` (pass them all: its defaults differ).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist  # for you: all_gather (and _world, below)
+
+from minidist.muon import adjust_lr
+from minidist.muon import newton_schulz as ns_reference  # noqa: F401 - for you, in part (b)
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # (a, b, c)
+
+
+# ============================================================================ part (a)
+
+def newton_schulz(G: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16,
+                  eps: float = 1e-7) -> torch.Tensor:
+    """Approximately U V^T for G = U S V^T, over the last two dimensions (leading ones are
+    a batch), by `steps` steps of the quintic iteration, computed in `dtype` and returned
+    in `dtype`. G is not modified."""
+    raise NotImplementedError(
+        "newton_schulz: X = G.to(dtype); tall = X.size(-2) > X.size(-1); if tall: X = X.mT; "
+        "reshape to (batch, m, n) with X.reshape(-1, *X.shape[-2:]); X = X / X.norm(dim=(-2, "
+        "-1), keepdim=True).clamp(min=eps); then `steps` times: A = torch.bmm(X, X.mT), B = "
+        "torch.baddbmm(A, A, A, beta=b, alpha=c), X = torch.baddbmm(X, B, X, beta=a); "
+        "reshape back to the batch shape and return X.mT if tall else X")
+
+
+# ============================================================================ part (b)
+
+class Muon(torch.optim.Optimizer):
+    """Muon for 2-D parameters, with torch.optim.Muon's arithmetic, spread over the ranks
+    of a process group when one of more than one rank exists (or `group` is given).
+    `ns_dtype` is the precision of the Newton-Schulz iteration. In a distributed run
+    step() is a collective: every rank calls it."""
+
+    def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
+                 weight_decay: float = 0.0, ns_steps: int = 5, adjust_lr_fn: str | None = None,
+                 ns_dtype: torch.dtype = torch.bfloat16, group=None):
+        # written for you: the same checks and settings as minidist.muon.Muon
+        if lr < 0 or not 0 <= momentum < 1 or weight_decay < 0 or ns_steps < 1:
+            raise ValueError(f"need lr >= 0, 0 <= momentum < 1, weight_decay >= 0, ns_steps >= 1; "
+                             f"got {lr}, {momentum}, {weight_decay}, {ns_steps}")
+        adjust_lr(1.0, (1, 1), adjust_lr_fn)  # rejects an unknown name now, not at step 1
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                        ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+        super().__init__(params, defaults)
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.dim() != 2:
+                    raise ValueError(f"Muon is for 2-D weight matrices; got a parameter of "
+                                     f"shape {tuple(p.shape)}")
+        self.ns_dtype, self.group = ns_dtype, group
+
+    def _world(self) -> tuple[int, int]:
+        """(rank, world size): (0, 1) without a process group. Written for you."""
+        if self.group is None and not (dist.is_available() and dist.is_initialized()):
+            return 0, 1
+        return dist.get_rank(self.group), dist.get_world_size(self.group)
+
+    @staticmethod
+    def _apply(p: torch.Tensor, update: torch.Tensor, g: dict) -> None:
+        """Decoupled weight decay, then the step with the shape-adjusted learning rate, in
+        torch.optim.Muon's order. `update` may arrive flattened (from an all_gather) and
+        in ns_dtype. Written for you."""
+        p.mul_(1 - g["lr"] * g["weight_decay"])
+        p.add_(update.view_as(p), alpha=-adjust_lr(g["lr"], p.shape, g["adjust_lr_fn"]))
+
+    def _update(self, p: torch.Tensor, g: dict) -> torch.Tensor:
+        """The owner's work for parameter p of param group g: update its momentum (kept in
+        self.state[p]["momentum_buffer"]) with p.grad and return the orthogonalised
+        (Nesterov) momentum, in self.ns_dtype."""
+        raise NotImplementedError(
+            "_update: buf = self.state[p].setdefault('momentum_buffer', torch.zeros_like(p)); "
+            "buf.lerp_(p.grad, 1 - g['momentum']); M = p.grad.lerp(buf, g['momentum']) if "
+            "g['nesterov'] else buf; return ns_reference(M, g['ns_steps'], self.ns_dtype)")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One Muon step of every parameter that has a gradient; on N ranks each matrix's
+        update is computed by its owner only and all-gathered to every rank."""
+        raise NotImplementedError(
+            "step: rank, world = self._world(); items = [(p, g) for g in self.param_groups "
+            "for p in g['params']]. One rank: self._apply(p, self._update(p, g), g) for each p "
+            "with a grad. N ranks: sort the items by cost, largest first, in rounds of N; per "
+            "round send = zeros(1 + largest numel, ns_dtype); rank r, owner of the round's "
+            "r-th item, writes [1, update.flatten()] if it has a grad; every rank, every round: "
+            "dist.all_gather(recv, send, group=self.group, async_op=True); then wait, and "
+            "self._apply(p, recv[r][1:1 + p.numel()], g) where recv[r][0] == 1")
+
+
+# Where minidist implements each; `python -m exercises.grade 07 --reference` grades these
+# instead of the stubs above. Leave it as it is.
+REFERENCE = {
+    "newton_schulz": "minidist.muon:newton_schulz",
+    "Muon": "minidist.muon:Muon",
+}
