@@ -106,12 +106,14 @@ class ShardedOptimizer:
     parameter's .grad is meaningful only within this rank's shard, if it exists at all); clip_grad_norm_() clips by the norm
     of the whole gradient, computed from the shards. `collectives="minidist"` runs the
     ring collectives of minidist.comm instead of torch's (synchronous, and countable with
-    minidist.comm.count_bytes).
+    minidist.comm.count_bytes). `module`, when given, orders the buckets as its parameters
+    are registered (backward produces gradients in roughly the reverse order); otherwise
+    the order is that of the param groups.
     """
 
     def __init__(self, params, optimizer_class, group=None, stage: int = 1,
                  reduce_gradients: bool = False, bucket_cap_mb: float = 25.0,
-                 collectives: str = "torch", **defaults):
+                 collectives: str = "torch", module=None, **defaults):
         if stage not in (1, 2):
             raise ValueError(f"ShardedOptimizer is ZeRO stage 1 or 2, got stage={stage}")
         if collectives not in ("torch", "minidist"):
@@ -131,6 +133,9 @@ class ShardedOptimizer:
                     seen.add(id(p))
                     group_of[p] = i
                     ordered.append(p)
+        if module is not None:  # bucket in the model's order, the order backward follows
+            position = {p: i for i, p in enumerate(module.parameters())}
+            ordered.sort(key=lambda p: position.get(p, -1))
         self.units = self._make_units(ordered, group_of, bucket_cap_mb)
         if self.stage == 1 and self.reduce_gradients:
             # stage 1 keeps full gradients, in one flat buffer per bucket (p.grad are views),

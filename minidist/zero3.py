@@ -174,7 +174,8 @@ def zero_optimizer(model: nn.Module, param_groups, optimizer_class, stage: int, 
     gradients itself (stages 1, 2) or a FullyShardedOptimizer over `model` (stage 3)."""
     if stage in (1, 2):
         kwargs.pop("prefetch", None)
-        return ShardedOptimizer(param_groups, optimizer_class, stage=stage, reduce_gradients=True, **kwargs)
+        return ShardedOptimizer(param_groups, optimizer_class, stage=stage, reduce_gradients=True,
+                                module=model, **kwargs)
     if stage == 3:
         kwargs.pop("bucket_cap_mb", None)
         return FullyShardedOptimizer(model, param_groups, optimizer_class, **kwargs)
