@@ -109,6 +109,9 @@ class LossScaler:
         if id(optimizer) in self._found_inf:
             raise RuntimeError("unscale_() was already called for this optimizer since the last "
                                "update(): call it once per step, after all micro-steps")
+        sync = getattr(optimizer, "finish_gradient_synchronization", None)
+        if sync is not None:  # ZeRO keeps its gradients in shards: have them complete first
+            sync()
         params = [p for g in optimizer.param_groups for p in g["params"]]
         grads = [p.grad for p in params if p.grad is not None]
         if any(g.dtype == torch.float16 for g in grads):

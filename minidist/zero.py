@@ -160,7 +160,7 @@ class ShardedOptimizer:
                 views[0].grad = torch.zeros_like(views[0])
             shard_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": views})
         self.optim = optimizer_class(shard_groups, **defaults)
-        self._pending, self._no_sync, self._queued = [], False, False
+        self._pending, self._no_sync, self._queued, self._taken = [], False, False, False
         if self.reduce_gradients:
             for p in ordered:
                 p.register_post_accumulate_grad_hook(self._on_grad)
@@ -234,6 +234,15 @@ class ShardedOptimizer:
         self.finish_gradient_synchronization()
 
     def finish_gradient_synchronization(self) -> None:
+        """Complete this rank's gradient shards: wait for the reduce-scatters in flight; or,
+        under ZeroRedundancyOptimizer's contract (gradients averaged elsewhere), copy this
+        rank's part of them in. step() calls it; so does LossScaler.unscale_, which must
+        see the gradients the step will use."""
+        if not self.reduce_gradients:
+            if not self._taken:
+                self._take_local_gradients()
+                self._taken = True
+            return
         for u, out, work in self._pending:
             if work is not None:
                 work.wait()
@@ -253,8 +262,7 @@ class ShardedOptimizer:
 
     def step(self, closure=None):
         loss = closure() if closure is not None else None
-        if not self.reduce_gradients:
-            self._take_local_gradients()
+        self.finish_gradient_synchronization()
         self.optim.step()
         works = [self._all_gather(u.flat, u.shard) for u in self.units]  # all in flight
         for w in works:
@@ -263,6 +271,7 @@ class ShardedOptimizer:
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._taken = False
         for u in self.units:
             u.grad_shard.zero_()
             if hasattr(u, "flat_grad"):  # stage 1: the buffer stays, p.grad stay its views

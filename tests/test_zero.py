@@ -126,10 +126,12 @@ def _torch_parity():
     r, n = dist.get_rank(), dist.get_world_size()
     cls, kw = OPTIMIZERS["adamw"]
     out = {}
-    for name in ("ours_1", "zero_redundancy", "ours_3", "fully_shard"):
+    from minidist.scaler import LossScaler
+    for name in ("ours_1", "ours_1_scaled", "zero_redundancy", "ours_3", "fully_shard"):
         model = _model()
         trainable = [p for p in model.parameters() if p.requires_grad]
-        if name == "ours_1":
+        scaler = LossScaler(init_scale=1024.0, enabled=name == "ours_1_scaled")
+        if name.startswith("ours_1"):
             opt = ShardedOptimizer(trainable, cls, **kw)
         elif name == "zero_redundancy":
             opt = ZeroRedundancyOptimizer(trainable, cls, **kw)
@@ -145,8 +147,9 @@ def _torch_parity():
             if name in ("ours_3", "fully_shard"):
                 per = B // n
                 x, y = x[r * per:(r + 1) * per], y[r * per:(r + 1) * per]
-            model(x, y)[1].backward()
-            opt.step()
+            scaler.scale(model(x, y)[1]).backward()
+            scaler.step(opt)  # (a plain opt.step() when disabled)
+            scaler.update()
             opt.zero_grad()
         if name == "ours_3":
             with opt.gathered():
@@ -159,8 +162,9 @@ def _torch_parity():
 
 def test_ours_equal_zero_redundancy_optimizer_and_fully_shard():
     for out in launch(_torch_parity, 2):
-        for a, b in zip(out["ours_1"], out["zero_redundancy"]):
+        for a, b, c in zip(out["ours_1"], out["zero_redundancy"], out["ours_1_scaled"]):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(c, b, rtol=1e-6, atol=1e-7)  # the scaler unscales the shard
         for a, b in zip(out["ours_3"], out["fully_shard"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # fp32: summation order
 
