@@ -284,6 +284,7 @@ class ShardedOptimizer:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the global norm of the averaged gradient, as clip_grad_norm_ on the full
         gradients would: the squares of the shards summed over ranks (padding is zero)."""
+        self.finish_gradient_synchronization()
         sq = sum(u.grad_shard.double().square().sum() for u in self.units).reshape(1)
         dist.all_reduce(sq, group=self.group)
         norm = sq.sqrt().float()[0]

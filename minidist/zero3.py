@@ -145,13 +145,15 @@ class FullyShardedOptimizer(ShardedOptimizer):
     @contextlib.contextmanager
     def gathered(self):
         """Every unit gathered, to read, save or copy the full parameters; freed after."""
+        was = [u.gathered for u in self.units]
         for u in self.units:
             self._gather(u)
         try:
             yield
         finally:
-            for u in self.units:
-                self._free(u)
+            for u, keep in zip(self.units, was):
+                if not keep:
+                    self._free(u)
 
     # ---- the step and accounting ---------------------------------------------------
 
@@ -159,6 +161,8 @@ class FullyShardedOptimizer(ShardedOptimizer):
         """Update the shards; the next forward gathers the updated values."""
         loss = closure() if closure is not None else None
         self.optim.step()
+        for u in self.units:  # a unit still gathered (a forward with no backward) is stale now
+            self._free(u)
         return loss
 
     def memory_bytes(self) -> dict:

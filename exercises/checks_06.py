@@ -1,0 +1,530 @@
+"""Graded checks of exercise 06 (exercises/06_zero.py), registered with exercises.grade.
+
+The sharded optimizer runs where it must: in 2 and 3 processes started by
+minidist.dist.launch (gloo), one launch per world size for every part (see
+exercises/_harness.py). Each part trains a small GPT (a frozen parameter, an embedding
+tied to the head, three param groups, one of which some ranks hold no element of; n_embd
+20 and vocabulary 61, so that at 3 ranks the units do not divide and get padded) for a
+few steps, each rank on its slice of every batch, halving every group's learning rate
+through param_groups before the last step (as a scheduler would). The oracle is one
+process training the same model on the whole batch with the plain torch optimizer,
+computed on rank 0 in a part of its own.
+
+What each rank holds is measured from the outside, not asked of the optimizer: the
+grader hands it an optimizer class that records every instance made (so the state of
+whatever inner optimizer it builds is counted), registers its own post-accumulate-grad
+hooks before the optimizer's (they fire first, and count the full-size gradients alive
+at each moment of backward), and collects the storages of every gradient left after
+the step. The expected sizes come from the layout the exercise prescribes, written out
+here (_layout): the units' padded lengths, and which of its elements each rank owns.
+Bytes on the wire are counted with minidist.comm.count_bytes in the parts that run
+collectives="minidist".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import math
+import sys
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+from exercises import _harness as H
+from exercises.grade import check
+
+WORLD_SIZES = (2, 3)
+TIMEOUT_S = 20.0  # a rank that waits this long for the others is hung; tests lower it
+HANG_HINT = ("Every rank must issue the same reduce-scatters and all-gathers, of the same "
+             "sizes, in the same order, and wait only for what it started.")
+CFG = dict(n_layer=2, n_head=2, n_embd=20, block_size=8, vocab_size=61)
+B, STEPS = 12, 3    # 12 sequences: 2 and 3 ranks x 2 micro-steps divide it
+CAP_MB = 0.004      # about 1000 floats per unit: several units, some padded at 3 ranks
+# eps 1e-4, not 1e-8: the key projection's bias has an exactly zero gradient (softmax
+# ignores a shift shared by all keys), so what arrives is rounding noise, which Adam with
+# a tiny eps would blow up to +-lr differently for every summation order
+OPTIMIZERS = {"adamw": ("AdamW", dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-4)),
+              "sgd": ("SGD", dict(lr=0.1, momentum=0.9))}
+
+
+# The parts that train: optimizer, stage, whether the optimizer reduces the gradients
+# itself, micro-steps per step, collectives.
+SPECS = {
+    "zero1": dict(opt="adamw", stage=1, reduce=False, accum=1, collectives="torch"),
+    "zero1_reduce": dict(opt="adamw", stage=1, reduce=True, accum=2, collectives="torch"),
+    "zero1_reduce_sgd": dict(opt="sgd", stage=1, reduce=True, accum=2, collectives="minidist"),
+    "zero2": dict(opt="adamw", stage=2, reduce=True, accum=1, collectives="minidist"),
+    "zero2_accum": dict(opt="sgd", stage=2, reduce=True, accum=2, collectives="torch"),
+}
+
+
+def _describe(name: str) -> str:
+    s = SPECS[name]
+    how = "" if s["stage"] == 2 else ", reduce_gradients=True" if s["reduce"] else \
+        ", gradients averaged beforehand"
+    return (f"{OPTIMIZERS[s['opt']][0]}, stage {s['stage']}{how}, {s['accum']} micro-step"
+            f"{'s' if s['accum'] > 1 else ''}, collectives={s['collectives']!r}")
+
+
+# --------------------------------------------------------------------- model, data, layout
+
+def _model():
+    from minidist.model import GPT, GPTConfig
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(**CFG))
+    m.wpe.weight.requires_grad_(False)  # a frozen parameter: not sharded, never updated
+    return m
+
+
+def _groups(model, opt: str = "adamw") -> list[dict]:
+    """Three param groups: matrices with weight decay (the frozen one among them, as a
+    user might pass it), vectors without, and the final LayerNorm's at half the learning
+    rate: a group that lands at the end of a unit, so that some ranks hold none of it."""
+    params = list(model.parameters())  # the tied embedding/head once
+    last = {id(p) for p in model.ln_f.parameters()}
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2 and id(p) not in last], "weight_decay": 0.0},
+            {"params": [p for p in params if id(p) in last], "weight_decay": 0.0,
+             "lr": OPTIMIZERS[opt][1]["lr"] / 2}]
+
+
+def _batch(step: int):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, CFG["vocab_size"], (B, CFG["block_size"]), generator=g)
+    return x, torch.roll(x, -1, dims=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _layout(n: int) -> dict:
+    """The exercise's layout, written out: trainable parameters in the order of the
+    groups, each once, reversed, cut where the next would take a unit over the cap; each
+    unit padded to a multiple of n. psi: trainable elements; padded: all units' lengths;
+    owned[r]: the elements of rank r's shards that hold parameters (not padding)."""
+    ordered, seen = [], set()
+    for g in _groups(_model()):
+        for p in g["params"]:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                ordered.append(p)
+    cap, units, size = CAP_MB * 2**20, [[]], 0
+    for p in reversed(ordered):
+        if units[-1] and size + 4 * p.numel() > cap:
+            units.append([])
+            size = 0
+        units[-1].append(p.numel())
+        size += 4 * p.numel()
+    numels = [sum(u) for u in units]
+    chunks = [math.ceil(m / n) for m in numels]
+    return {"psi": sum(numels), "padded": n * sum(chunks), "units": len(units),
+            "owned": [sum(max(0, min((r + 1) * c, m) - r * c) for m, c in zip(numels, chunks))
+                      for r in range(n)]}
+
+
+def _skip_dynamo_import() -> None:
+    """torch.optim.Optimizer wraps add_param_group (which __init__ calls), zero_grad and
+    the state dicts in torch._disable_dynamo, which imports torch._dynamo on their first
+    call, only to switch off a compiler that nothing here runs: seconds per rank on a
+    small CPU. Mark them as switched off already (the attribute that wrapper caches), so
+    the wrappers call them directly. In the graded ranks only (as exercises/checks_07.py)."""
+    if "torch._dynamo" in sys.modules:
+        return
+    for name in ("add_param_group", "zero_grad", "state_dict", "load_state_dict"):
+        raw = getattr(getattr(torch.optim.Optimizer, name, None), "__wrapped__", None)
+        if callable(raw) and not hasattr(raw, "__dynamo_disable"):
+            setattr(raw, "__dynamo_disable", raw)
+
+
+@functools.lru_cache(maxsize=None)
+def _fast(name: str):
+    """torch.optim's optimizer `name` ("AdamW", "SGD"), its step() the same function
+    without the wrapper that imports torch._dynamo on every first step (seconds per rank
+    here) only to mark a graph break for a compiler that nothing here runs (and without
+    the profiler's wrapper, which runs step hooks; there are none). The same arithmetic:
+    the wrappers add nothing else but turning gradients off."""
+    base = getattr(torch.optim, name)
+
+    class Optimizer(base):
+        @torch.no_grad()
+        def step(self, closure=None):
+            return inspect.unwrap(base.step)(self, closure)
+
+    Optimizer.__name__ = Optimizer.__qualname__ = name
+    return Optimizer
+
+
+def _recording(opt: str):
+    """The inner optimizer's class, recording every instance made."""
+    made = []
+
+    class Recorded(_fast(OPTIMIZERS[opt][0])):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    Recorded.__name__ = Recorded.__qualname__ = OPTIMIZERS[opt][0]
+    return Recorded, made
+
+
+def _state_bytes(made) -> int:
+    """Bytes of the inner optimizers' per-element state (AdamW's moments, SGD's momentum);
+    0-dim tensors (AdamW's step counters, 4 bytes each) left out."""
+    return sum(v.numel() * v.element_size() for o in made for s in o.state.values()
+               for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+
+
+def _grad_bytes(made, params) -> int:
+    """Bytes of the distinct storages behind every gradient this rank holds: the inner
+    optimizers' (views of the gradient shards) and the model's full-size p.grad."""
+    storages = {}
+    grads = [v.grad for o in made for g in o.param_groups for v in g["params"]]
+    for t in grads + [p.grad for p in params]:
+        if t is not None:
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+    return sum(storages.values())
+
+
+# --------------------------------------------------------------------- the parts, run on every rank
+
+def _oracle_part(fns, r: int, n: int):
+    """Rank 0: one process on the whole batch with the plain optimizer, each optimizer;
+    and, to name a mistake, the same with gradients n times too large (summed, not
+    averaged over ranks). The initial parameters too."""
+    if r != 0:
+        return None
+    _skip_dynamo_import()
+    out = {"initial": [p.detach().clone() for p in _model().parameters()]}
+    for opt, (cls, kw) in OPTIMIZERS.items():
+        for times in (1, n):
+            model = _model()
+            o = _fast(cls)(_groups(model, opt), **kw)
+            for step in range(STEPS):
+                x, y = _batch(step)
+                if step == STEPS - 1:  # a scheduler's move
+                    for g in o.param_groups:
+                        g["lr"] /= 2
+                (times * model(x, y)[1]).backward()
+                o.step()
+                o.zero_grad()
+            out[opt if times == 1 else f"{opt} x{n}"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def _train_part(name: str, fns, r: int, n: int) -> dict:
+    from minidist.comm import count_bytes
+    from minidist.ddp import allreduce_gradients_flat
+    s = SPECS[name]
+    _skip_dynamo_import()
+    model = _model()
+    named = dict(model.named_parameters())
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    peak = [0]
+
+    def alive(_):  # a gradient is complete: count the full-size ones held right now
+        peak[0] = max(peak[0], sum(p.numel() for p in trainable if p.grad is not None))
+
+    for p in trainable:  # before the optimizer's hooks: ours fire first
+        p.register_post_accumulate_grad_hook(alive)
+    cls, made = _recording(s["opt"])
+    opt = fns["ShardedOptimizer"](_groups(model, s["opt"]), cls, stage=s["stage"],
+                                  reduce_gradients=s["reduce"], bucket_cap_mb=CAP_MB,
+                                  collectives=s["collectives"], **OPTIMIZERS[s["opt"]][1])
+    out = {"after_backward": [], "grad_bytes": None}
+    per = B // n
+    m = per // s["accum"]
+    with count_bytes() as sent:
+        for step in range(STEPS):
+            x, y = _batch(step)
+            x, y = x[r * per:(r + 1) * per], y[r * per:(r + 1) * per]
+            if step == STEPS - 1:  # a scheduler's move, through the sharded optimizer
+                for g in opt.param_groups:
+                    g["lr"] /= 2
+            for i in range(s["accum"]):
+                last = i == s["accum"] - 1
+                with contextlib.nullcontext() if last or not s["reduce"] else opt.no_sync():
+                    (model(x[i * m:(i + 1) * m], y[i * m:(i + 1) * m])[1] / s["accum"]).backward()
+                out["after_backward"].append([k for k, p in named.items() if p.grad is not None])
+            if not s["reduce"]:  # ZeroRedundancyOptimizer's contract: averaged beforehand
+                allreduce_gradients_flat(model)
+            opt.step()
+            if step == STEPS - 1:
+                out["grad_bytes"] = _grad_bytes(made, trainable)
+            opt.zero_grad()
+    out.update(params=[p.detach().clone() for p in model.parameters()], peak=peak[0],
+               state_bytes=_state_bytes(made), inner=len(made), sent=dict(sent),
+               lrs=[g.get("lr") for g in opt.param_groups])
+    return out
+
+
+def _zero_redundancy_part(fns, r: int, n: int) -> dict:
+    """Ours and torch's ZeroRedundancyOptimizer on the same model and data: the whole
+    batch on every rank (so the gradients are "averaged" already), a plain parameter list."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    _skip_dynamo_import()
+    out = {}
+    for who in ("ours", "torch"):
+        model = _model()
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        cls = ZeroRedundancyOptimizer if who == "torch" else fns["ShardedOptimizer"]
+        opt = cls(trainable, _fast("AdamW"), **OPTIMIZERS["adamw"][1])
+        for step in range(STEPS):
+            x, y = _batch(step)
+            model(x, y)[1].backward()
+            opt.step()
+            opt.zero_grad()
+        out[who] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+PARTS = {"oracle": _oracle_part, "zero1": functools.partial(_train_part, "zero1"),
+         "zero_redundancy": _zero_redundancy_part,
+         **{k: functools.partial(_train_part, k)
+            for k in SPECS if k != "zero1"}}
+# ZeroRedundancyOptimizer at 2 ranks; the oracle first, then ZeRO-1's parts, then ZeRO-2's
+# (a part that crashes or hangs stops its launch: ZeRO-1's marks do not wait on ZeRO-2)
+PLAN = {n: [p for p in PARTS if n == 2 or p != "zero_redundancy"] for n in WORLD_SIZES}
+
+
+class _NoOptimizer:
+    """An inner optimizer that does nothing, for the preflight."""
+
+    def __init__(self, params, **kwargs):
+        self.param_groups, self.state = list(params), {}
+
+
+def _preflight(cls) -> str | None:
+    """The hint of a stub that raises NotImplementedError while being constructed, in
+    this process, as rank 0 of 2 (no process group: construction needs none): then the
+    launches, seconds of starting processes, would only bring back that same hint."""
+    params = [torch.nn.Parameter(torch.zeros(5, 3)), torch.nn.Parameter(torch.zeros(3))]
+    with mock.patch.object(dist, "get_rank", lambda group=None: 0), \
+            mock.patch.object(dist, "get_world_size", lambda group=None: 2):
+        try:
+            cls([{"params": params[:1]}, {"params": params[1:]}], _NoOptimizer, bucket_cap_mb=CAP_MB)
+        except NotImplementedError as e:
+            return str(e)
+        except Exception:  # anything else is for the ranks to show
+            pass
+    return None
+
+
+_CACHE = H.Cache()
+
+
+def _results(impl) -> dict:
+    plan = {n: PLAN[n] for n in WORLD_SIZES}
+
+    def compute():
+        hint = _preflight(impl.ShardedOptimizer)
+        if hint is not None:
+            return {(p, n): ("notimpl", hint) for n, parts in plan.items() for p in parts}
+        return H.run_all(PARTS, {"ShardedOptimizer": impl.ShardedOptimizer}, plan, TIMEOUT_S,
+                         HANG_HINT)
+    return _CACHE.get((impl.ShardedOptimizer, WORLD_SIZES, TIMEOUT_S), compute)  # tests change the last two
+
+
+def _part(impl, name, world_sizes=None):
+    return H.per_world_size(_results(impl), name, world_sizes or WORLD_SIZES)
+
+
+def _oracle(impl, n: int) -> dict:
+    for _, per_rank in H.per_world_size(_results(impl), "oracle", (n,)):
+        return per_rank[0]
+
+
+# --------------------------------------------------------------------- comparing parameters
+
+def _names() -> list[str]:
+    return [k for k, _ in _model().named_parameters()]
+
+
+def _close(got, want, rtol=1e-5, atol=1e-6) -> bool:
+    # float32, the same arithmetic up to the order of the sums: equal up to rounding
+    return got.shape == want.shape and bool(((got - want).abs() <= atol + rtol * want.abs()).all())
+
+
+def _ranks_problem(where: str, per_rank_params: list) -> str | None:
+    """None when every rank holds the same parameters (bit for bit), else which differ."""
+    for r, params in enumerate(per_rank_params):
+        for k, a, b in zip(_names(), params, per_rank_params[0]):
+            if not torch.equal(a, b):
+                return (f"{where}: after {STEPS} steps rank {r}'s {k} differs from rank 0's: every "
+                        "rank must end a step with every parameter. After the inner optimizer's "
+                        "step, all-gather each unit (u.shard from every rank into u.flat)")
+    return None
+
+
+def _param_problem(where: str, per_rank: list, oracle: dict, opt: str, n: int) -> str | None:
+    """None when every rank's parameters after the steps are one process's, else what is
+    wrong, with a guess at why."""
+    names, want, initial = _names(), oracle[opt], oracle["initial"]
+    problem = _ranks_problem(where, [res["params"] for res in per_rank])
+    if problem:
+        return problem
+    got = per_rank[0]["params"]
+    for k, g, w, i in zip(names, got, want, initial):
+        if _close(g, w):
+            continue
+        at = f"{where}: after {STEPS} steps {k} differs from one process's on the whole batch"
+        if k == "wpe.weight":
+            return f"{at}: it is frozen (requires_grad=False) and must not change"
+        if torch.equal(g, i):
+            return (f"{at}: it never changed. Does the inner optimizer see the gradient shards "
+                    "(v.grad = u.grad_shard[a:b] on each shard view), and is something written "
+                    "into them before its step?")
+        if n > 1 and _close(g, oracle[f"{opt} x{n}"][names.index(k)]):
+            return (f"{at}: it took the steps of gradients {n} times too large: the "
+                    "reduce-scatter must average over ranks (op=dist.ReduceOp.AVG, or "
+                    "op='avg' with minidist.comm), not sum")
+        j = int((g - w).abs().argmax())
+        return (f"{at}: element {j} is {g.reshape(-1)[j].item():.6g}, want "
+                f"{w.reshape(-1)[j].item():.6g}")
+    return None
+
+
+def _equivalence(impl, parts):
+    for name in parts:
+        for n, per_rank in _part(impl, name):
+            where = f"on {n} ranks, {_describe(name)}"
+            problem = _param_problem(where, per_rank, _oracle(impl, n), SPECS[name]["opt"], n)
+            kept = SPECS[name]["stage"] == 2 and any(any(res["after_backward"]) for res in per_rank)
+            if problem and kept and SPECS[name]["accum"] > 1:
+                problem += (". And p.grad was still set after backward: the next micro-step's "
+                            "gradient adds to it, and the old gradient is reduced a second time. "
+                            "Free the full gradients (p.grad = None) once copied out")
+            H.first_problem([problem])
+
+
+# --------------------------------------------------------------------- the checks
+
+@check("06", points=3, name="ZeRO-1, gradients averaged beforehand (ZeroRedundancyOptimizer's "
+                            "contract): 2 and 3 ranks == one process (AdamW, param groups)")
+def _zero1(impl):
+    _equivalence(impl, ["zero1"])
+    lr = OPTIMIZERS["adamw"][1]["lr"]
+    want = [g.get("lr", lr) / 2 for g in _groups(_model())]
+    for n, per_rank in _part(impl, "zero1"):
+        for r, res in enumerate(per_rank):
+            assert res["lrs"] == want, (
+                f"on {n} ranks, rank {r}: the learning rates of opt.param_groups are {res['lrs']}, "
+                f"want {want}, one per param group passed in, in order (a group with no element "
+                "on this rank too: give it a placeholder), so that a scheduler setting g['lr'] "
+                "reaches the parameters it means")
+
+
+@check("06", points=2, name="ZeRO-1 == torch's ZeroRedundancyOptimizer (2 ranks, AdamW)")
+def _zero_redundancy(impl):
+    for _, per_rank in _part(impl, "zero_redundancy", (2,)):
+        H.first_problem([_ranks_problem("on 2 ranks, AdamW, a plain list of parameters",
+                                        [res["ours"] for res in per_rank])])
+        for r, res in enumerate(per_rank):
+            for k, a, b in zip(_names(), res["ours"], res["torch"]):
+                if not _close(a, b, rtol=1e-6, atol=1e-7):
+                    j = int((a - b).abs().argmax())
+                    raise AssertionError(
+                        f"on 2 ranks, rank {r}: after {STEPS} AdamW steps (the whole batch on "
+                        f"every rank, a plain list of parameters) {k} differs from "
+                        f"ZeroRedundancyOptimizer's: element {j} is {a.reshape(-1)[j].item():.6g}, "
+                        f"want {b.reshape(-1)[j].item():.6g}")
+
+
+@check("06", points=2, name="optimizer state: AdamW's 8 bytes per element of this rank's shard "
+                            "(padded/N elements), not of the whole model")
+def _state_memory(impl):
+    for n, per_rank in _part(impl, "zero1"):
+        lay = _layout(n)
+        per = lay["padded"] // n
+        for r, res in enumerate(per_rank):
+            got, lo, hi = res["state_bytes"], 8 * lay["owned"][r], 8 * per
+            where = f"on {n} ranks, rank {r}, {_describe('zero1')}"
+            assert res["inner"] >= 1, \
+                f"{where}: optimizer_class was never called: build the inner optimizer with it"
+            if lo <= got <= hi:
+                continue
+            whole = " (that of the whole model: build the inner optimizer on this rank's shard " \
+                    "views only)" if got >= 8 * lay["psi"] else ""
+            raise AssertionError(
+                f"{where}: the inner optimizer's state (exp_avg and exp_avg_sq) holds {got} "
+                f"bytes{whole}; want 8 bytes per element of this rank's shards: "
+                f"8 x padded/N = 8 x {lay['padded']}/{n} = {hi} bytes (Psi = {lay['psi']} "
+                f"trainable elements; the padding may go without state: at least {lo})")
+
+
+@check("06", points=2, name="ZeRO-1, reduce_gradients=True (reduce-scatter after backward; "
+                            "no_sync): == one process (AdamW, SGD, accumulation)")
+def _zero1_reduce(impl):
+    _equivalence(impl, ["zero1_reduce", "zero1_reduce_sgd"])
+
+
+@check("06", points=3, name="ZeRO-2 (reduce-scatter of each unit during backward): == one "
+                            "process (AdamW; SGD with accumulation)")
+def _zero2(impl):
+    _equivalence(impl, ["zero2", "zero2_accum"])
+
+
+@check("06", points=2, name="ZeRO-2 gradient memory: full gradients freed during backward, "
+                            "4 bytes x padded/N per rank after the step")
+def _grad_memory(impl):
+    for name in ("zero2", "zero2_accum"):
+        for n, per_rank in _part(impl, name):
+            lay = _layout(n)
+            for r, res in enumerate(per_rank):
+                where = f"on {n} ranks, rank {r}, {_describe(name)}"
+                for i, kept in enumerate(res["after_backward"]):
+                    assert not kept, (
+                        f"{where}: when backward {i + 1} returned, p.grad was still set for "
+                        f"{len(kept)} parameter(s) ({', '.join(kept[:3])}"
+                        f"{', ...' if len(kept) > 3 else ''}): "
+                        "ZeRO-2 keeps only the gradient shard; set p.grad = None once the unit's "
+                        "gradients are copied out for the reduce-scatter")
+                limit = lay["psi"] // 2
+                assert res["peak"] <= limit, (
+                    f"{where}: at one moment of backward {res['peak']} of the {lay['psi']} "
+                    "gradient elements were alive as full-size p.grad: free each unit's "
+                    "gradients (p.grad = None) when its reduce-scatter starts, as soon as its "
+                    "last gradient is complete, not at the end of backward (want at most half, "
+                    f"{limit})")
+                got, lo, hi = res["grad_bytes"], 4 * lay["owned"][r], 4 * lay["padded"] // n
+                if not lo <= got <= hi:
+                    raise AssertionError(
+                        f"{where}: after the step this rank's gradients take {got} bytes; want "
+                        f"4 bytes per element of its shards: 4 x padded/N = 4 x {lay['padded']}/{n} "
+                        f"= {hi} (the averaged gradient shards; no full-size gradient, averaged "
+                        "or not, kept anywhere the optimizer sees)")
+
+
+@check("06", points=2, name="bytes on the wire (collectives='minidist'): per step one reduce-scatter "
+                            "and one all-gather of padded (N-1)/N elements each, 2 Psi (N-1)/N")
+def _bytes(impl):
+    for name in ("zero1_reduce_sgd", "zero2"):
+        for n, per_rank in _part(impl, name):
+            lay = _layout(n)
+            each = STEPS * 4 * lay["padded"] * (n - 1) // n
+            want = {"reduce_scatter": each, "all_gather": each}
+            for r, res in enumerate(per_rank):
+                got = {k: v for k, v in res["sent"].items() if v}
+                if got == want:
+                    continue
+                where = f"on {n} ranks, rank {r}, {_describe(name)}, {STEPS} steps"
+                hint = ""
+                if not got:
+                    hint = (": nothing went through minidist.comm. With collectives='minidist' "
+                            "call comm.reduce_scatter and comm.all_gather")
+                elif got.get("all_reduce"):
+                    hint = (": an all-reduce moves twice a reduce-scatter's bytes and leaves every "
+                            "rank the whole gradient. Reduce-scatter: each rank receives only "
+                            "its shard, averaged")
+                elif not got.get("all_gather"):
+                    hint = (": no all-gather. After the inner optimizer's step every rank must "
+                            "all-gather each unit, or the others' updates never reach it")
+                elif got.get("reduce_scatter", 0) > each:
+                    hint = (": more than one reduce-scatter per unit per step. Inside no_sync() "
+                            "stage 1 reduces nothing: the last micro-step reduces the "
+                            "accumulated gradients once")
+                raise AssertionError(
+                    f"{where}: sent {got} bytes; want {want}: each collective moves "
+                    f"4 x padded x (N-1)/N = 4 x {lay['padded']} x {n - 1}/{n} bytes per "
+                    f"step{hint}")
