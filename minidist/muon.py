@@ -19,8 +19,9 @@ singular values grow fast; the price is that they end in a band around 1 (about 
 Distributed: every rank holds the same averaged gradients (data parallelism), so every
 rank could orthogonalise every matrix, N times the same work. Instead each matrix gets an
 owner rank; only the owner keeps its momentum (1/N of the optimizer state per rank) and
-runs its Newton-Schulz; the orthogonalised updates reach every rank by all-gather, started
-asynchronously so the next matrices' work overlaps the transfer. Matrices are sorted by
+runs its Newton-Schulz; the orthogonalised updates reach every rank by all-gathers, each
+carrying a bucket of a few rounds' updates and started asynchronously so the next
+matrices' work overlaps the transfer. Matrices are sorted by
 cost and dealt out in rounds of N, one per rank, so a round's matrices are alike in size
 (the work is balanced and the all-gather pads little).
 """
@@ -79,11 +80,12 @@ def adjust_lr(lr: float, shape, how: str | None = None) -> float:
 class Muon(torch.optim.Optimizer):
     """Muon for 2-D parameters, as torch.optim.Muon, spread over ranks when a process group
     of more than one rank exists (or `group` is given). `ns_dtype` is the Newton-Schulz
-    precision. In a distributed run, call step() on every rank (it is a collective)."""
+    precision. In a distributed run, call step() on every rank (it is a collective);
+    `bucket_mb` is how many bytes of updates each all-gather carries (at least one round)."""
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                  weight_decay: float = 0.0, ns_steps: int = 5, adjust_lr_fn: str | None = None,
-                 ns_dtype: torch.dtype = torch.bfloat16, group=None):
+                 ns_dtype: torch.dtype = torch.bfloat16, group=None, bucket_mb: float = 4.0):
         if lr < 0 or not 0 <= momentum < 1 or weight_decay < 0 or ns_steps < 1:
             raise ValueError(f"need lr >= 0, 0 <= momentum < 1, weight_decay >= 0, ns_steps >= 1; "
                              f"got {lr}, {momentum}, {weight_decay}, {ns_steps}")
@@ -96,7 +98,7 @@ class Muon(torch.optim.Optimizer):
                 if p.dim() != 2:
                     raise ValueError(f"Muon is for 2-D weight matrices; got a parameter of shape "
                                      f"{tuple(p.shape)}: give it to AdamW (see muon.split_params)")
-        self.ns_dtype, self.group = ns_dtype, group
+        self.ns_dtype, self.group, self.bucket_mb = ns_dtype, group, bucket_mb
 
     def _world(self) -> tuple[int, int]:
         if self.group is None and not (dist.is_available() and dist.is_initialized()):
@@ -133,26 +135,42 @@ class Muon(torch.optim.Optimizer):
         # of each round. Newton-Schulz on an m x n matrix (m <= n) costs about m*m*n.
         cost = lambda i: min(items[i][0].shape) ** 2 * max(items[i][0].shape)
         order = sorted(range(len(items)), key=lambda i: (-cost(i), i))
-        pending = []
+        # Each round gives every rank one slot: [has_update, update (flattened), padding].
+        # Rounds are packed into buckets of about bucket_mb, one asynchronous all-gather
+        # per bucket: few collectives (each has a fixed latency), and the next bucket's
+        # Newton-Schulz runs while the last one's all-gather is on the wire.
+        pending, slots, parts = [], [], []
+        device = items[0][0].device
+
+        def flush():
+            send = torch.cat(parts)
+            recv = torch.empty(world * send.numel(), dtype=send.dtype, device=device)
+            work = dist.all_gather_single(recv, send, group=self.group, async_op=True)
+            pending.append((list(slots), recv.view(world, -1), work))
+            slots.clear(), parts.clear()
+
         for start in range(0, len(order), world):
             round_ = order[start:start + world]
-            # one slot per rank: [has_update, update (flattened), padding]
-            slot = 1 + max(items[i][0].numel() for i in round_)
-            send = torch.zeros(slot, dtype=self.ns_dtype, device=items[round_[0]][0].device)
+            send = torch.zeros(1 + max(items[i][0].numel() for i in round_), dtype=self.ns_dtype,
+                               device=device)
             if rank < len(round_):
                 p, g = items[round_[rank]]
                 if p.grad is not None:  # no gradient: the owner still joins, sending "none"
                     send[0] = 1
                     send[1:1 + p.numel()] = self._update(p, g).flatten()
-            recv = [torch.empty_like(send) for _ in range(world)]
-            work = dist.all_gather(recv, send, group=self.group, async_op=True)
-            pending.append((round_, recv, work))  # and on to the next round's matrices
-        for round_, recv, work in pending:
+            slots.append((round_, sum(t.numel() for t in parts), send.numel()))
+            parts.append(send)
+            if sum(t.numel() * t.element_size() for t in parts) >= self.bucket_mb * 2**20:
+                flush()
+        if parts:
+            flush()
+        for bucket, recv, work in pending:
             work.wait()
-            for i, buf in zip(round_, recv):
-                p, g = items[i]
-                if buf[0] == 1:
-                    self._apply(p, buf[1:1 + p.numel()], g)
+            for round_, offset, size in bucket:
+                for owner, i in enumerate(round_):  # rank `owner` computed matrix i
+                    buf, (p, g) = recv[owner, offset:offset + size], items[i]
+                    if buf[0] == 1:
+                        self._apply(p, buf[1:1 + p.numel()], g)
         return loss
 
 
