@@ -19,9 +19,11 @@ from __future__ import annotations
 import _thread
 import os
 import pickle
+import sys
 import tempfile
 import threading
 
+import torch
 import torch.distributed as dist
 
 from minidist.dist import LaunchError, launch
@@ -179,3 +181,18 @@ def first_problem(problems) -> None:
     for p in problems:
         if p:
             raise AssertionError(p)
+
+
+def skip_dynamo_import() -> None:
+    """torch.optim.Optimizer wraps add_param_group (which __init__ calls), zero_grad and
+    the state dicts in torch._disable_dynamo, which imports torch._dynamo on their first
+    call, only to switch off a compiler that nothing here runs: seconds per rank on a
+    small CPU. Mark them as switched off already (the attribute that wrapper caches), so
+    the wrappers call them directly. Called in graded ranks only; a torch whose wrappers
+    look different is left alone."""
+    if "torch._dynamo" in sys.modules:
+        return
+    for name in ("add_param_group", "zero_grad", "state_dict", "load_state_dict"):
+        raw = getattr(getattr(torch.optim.Optimizer, name, None), "__wrapped__", None)
+        if callable(raw) and not hasattr(raw, "__dynamo_disable"):
+            setattr(raw, "__dynamo_disable", raw)

@@ -27,7 +27,6 @@ import contextlib
 import functools
 import inspect
 import math
-import sys
 from unittest import mock
 
 import torch
@@ -123,20 +122,6 @@ def _layout(n: int) -> dict:
                       for r in range(n)]}
 
 
-def _skip_dynamo_import() -> None:
-    """torch.optim.Optimizer wraps add_param_group (which __init__ calls), zero_grad and
-    the state dicts in torch._disable_dynamo, which imports torch._dynamo on their first
-    call, only to switch off a compiler that nothing here runs: seconds per rank on a
-    small CPU. Mark them as switched off already (the attribute that wrapper caches), so
-    the wrappers call them directly. In the graded ranks only (as exercises/checks_07.py)."""
-    if "torch._dynamo" in sys.modules:
-        return
-    for name in ("add_param_group", "zero_grad", "state_dict", "load_state_dict"):
-        raw = getattr(getattr(torch.optim.Optimizer, name, None), "__wrapped__", None)
-        if callable(raw) and not hasattr(raw, "__dynamo_disable"):
-            setattr(raw, "__dynamo_disable", raw)
-
-
 @functools.lru_cache(maxsize=None)
 def _fast(name: str):
     """torch.optim's optimizer `name` ("AdamW", "SGD"), its step() the same function
@@ -195,7 +180,7 @@ def _oracle_part(fns, r: int, n: int):
     averaged over ranks). The initial parameters too."""
     if r != 0:
         return None
-    _skip_dynamo_import()
+    H.skip_dynamo_import()
     out = {"initial": [p.detach().clone() for p in _model().parameters()]}
     for opt, (cls, kw) in OPTIMIZERS.items():
         for times in (1, n):
@@ -217,7 +202,7 @@ def _train_part(name: str, fns, r: int, n: int) -> dict:
     from minidist.comm import count_bytes
     from minidist.ddp import allreduce_gradients_flat
     s = SPECS[name]
-    _skip_dynamo_import()
+    H.skip_dynamo_import()
     model = _model()
     named = dict(model.named_parameters())
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -263,7 +248,7 @@ def _zero_redundancy_part(fns, r: int, n: int) -> dict:
     """Ours and torch's ZeroRedundancyOptimizer on the same model and data: the whole
     batch on every rank (so the gradients are "averaged" already), a plain parameter list."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
-    _skip_dynamo_import()
+    H.skip_dynamo_import()
     out = {}
     for who in ("ours", "torch"):
         model = _model()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 
 import numpy as np
 import torch
@@ -231,23 +230,8 @@ def _trajectory_problem(where: str, got, want, kw: dict, missing: frozenset, own
 
 # --------------------------------------------------------------------- the parts, run on every rank
 
-def _skip_dynamo_import() -> None:
-    """torch.optim.Optimizer wraps add_param_group (which __init__ calls), zero_grad and
-    the state dicts in torch._disable_dynamo, which imports torch._dynamo on their first
-    call, only to switch off a compiler that nothing here runs: seconds per rank on a
-    small CPU, more than the rest of the part. Mark them as switched off already (the
-    attribute that wrapper caches), so the wrappers call them directly. Done in the
-    graded ranks only; a torch whose wrappers look different is left alone."""
-    if "torch._dynamo" in sys.modules:
-        return
-    for name in ("add_param_group", "zero_grad", "state_dict", "load_state_dict"):
-        raw = getattr(getattr(torch.optim.Optimizer, name, None), "__wrapped__", None)
-        if callable(raw) and not hasattr(raw, "__dynamo_disable"):
-            setattr(raw, "__dynamo_disable", raw)
-
-
 def _part(missing: frozenset, fns: dict, r: int, n: int) -> dict:
-    _skip_dynamo_import()
+    H.skip_dynamo_import()
     trajectory, opt, ps = _drive(lambda ps: fns["Muon"](ps, **DIST_KW), missing)
     momentum, state_bytes = {}, {}
     for i, p in enumerate(ps):
