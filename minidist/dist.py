@@ -72,6 +72,18 @@ def _set_threads(device_type: str, local_world: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
 
+def _elastic_store(timeout: timedelta) -> dist.Store:
+    """torchrun's rendezvous store, with a prefix per attempt. When torchrun restarts the
+    workers (--max-restarts), the store can outlive them and still hold the last
+    attempt's keys, such as the dead workers' gloo addresses: a new worker could read one
+    before its peer has replaced it, and fail to connect. Its own prefix avoids that."""
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), timeout=timeout,
+                          is_master=not agent_hosts and os.environ["RANK"] == "0")
+    return dist.PrefixStore(f"minidist/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+
+
 def init(device: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> DistInfo:
     """Join (or create) the process group this process belongs to and return who we are.
 
@@ -88,8 +100,11 @@ def init(device: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Dis
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     _set_threads(device_type, local_world)
     timeout = timedelta(seconds=timeout_s)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, timeout=timeout)  # env:// from torchrun
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # torchrun
+        dist.init_process_group(backend, store=_elastic_store(timeout), timeout=timeout,
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)  # env:// from another launcher
     else:
         # No launcher: a world of one. A HashStore needs no network port.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,

@@ -118,6 +118,19 @@ class Muon(torch.optim.Optimizer):
         p.mul_(1 - g["lr"] * g["weight_decay"])  # decoupled weight decay
         p.add_(update.view_as(p), alpha=-adjust_lr(g["lr"], p.shape, g["adjust_lr_fn"]))
 
+    @staticmethod
+    def _deal(items: list) -> list[int]:
+        """The matrices dealt out by cost, largest first, N per round: rank r owns the r-th
+        of each round. Newton-Schulz on an m x n matrix (m <= n) costs about m*m*n."""
+        cost = lambda i: min(items[i][0].shape) ** 2 * max(items[i][0].shape)
+        return sorted(range(len(items)), key=lambda i: (-cost(i), i))
+
+    def owners(self) -> dict[int, int]:
+        """id(parameter) -> the rank that keeps its momentum and orthogonalises it."""
+        _, world = self._world()
+        items = [(p, g) for g in self.param_groups for p in g["params"]]
+        return {id(items[i][0]): j % world for j, i in enumerate(self._deal(items))}
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -131,10 +144,7 @@ class Muon(torch.optim.Optimizer):
                 if p.grad is not None:
                     self._apply(p, self._update(p, g), g)
             return loss
-        # Deal the matrices out by cost, largest first, N per round: rank r owns the r-th
-        # of each round. Newton-Schulz on an m x n matrix (m <= n) costs about m*m*n.
-        cost = lambda i: min(items[i][0].shape) ** 2 * max(items[i][0].shape)
-        order = sorted(range(len(items)), key=lambda i: (-cost(i), i))
+        order = self._deal(items)
         # Each round gives every rank one slot: [has_update, update (flattened), padding].
         # Rounds are packed into buckets of about bucket_mb, one asynchronous all-gather
         # per bucket: few collectives (each has a fixed latency), and the next bucket's

@@ -6,6 +6,8 @@ Chapter 01 (chapters/01_gpt.md) is the baseline this runs by default. Exercised 
     python minidist/train_gpt.py --steps 50                            # 1 process
     python minidist/train_gpt.py --help
     torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --precision fp16   # ch. 05
+    torchrun --standalone --nproc_per_node=2 --max-restarts=3 minidist/train_gpt.py \
+        --checkpoint-every 50 --resume auto                # ch. 08: survives a killed rank
 
 On CPU it trains a tiny GPT on Shakespeare with a 2048-token cut of GPT-2's BPE; on a
 GPU, GPT-2 small (124M) with GPT-2's full BPE. Every size is a flag. Rank 0 prints one
@@ -14,7 +16,6 @@ line per logged step and writes metrics.jsonl, loss.png and summary.json to --ou
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -26,128 +27,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from minidist import data, metrics
+from minidist import checkpoint, data, faults, metrics
 from minidist.ddp import DDP, allreduce_gradients_flat, allreduce_gradients_naive, broadcast_module
 from minidist.dist import cleanup, init
+from minidist.flags import AUTO, build_parser, make_scaler, resolve_args  # noqa: F401 (re-exported)
 from minidist.muon import Muon, split_params
 from minidist.model import GPT, PRESETS, GPTConfig, flops_per_token, num_params
 from minidist.scaler import LossScaler, autocast
 from minidist.zero3 import zero_optimizer
-
-# What "auto" means on each kind of device: a run that fits the machine.
-AUTO = {
-    "cpu": dict(preset="tiny", tokenizer="gpt2-2048", batch_size=32, steps=480, lr=3e-3,
-                warmup_steps=20, eval_interval=80, log_interval=20),
-    "cuda": dict(preset="gpt2", tokenizer="gpt2", batch_size=32, steps=300, lr=6e-4,
-                 warmup_steps=30, eval_interval=50, log_interval=10),
-}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    a = p.add_argument
-    a("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    a("--preset", default=None, choices=sorted(PRESETS), help="model size (auto by device)")
-    a("--n-layer", type=int), a("--n-head", type=int), a("--n-embd", type=int)
-    a("--dropout", type=float, default=0.0)
-    a("--seq-len", type=int, help="tokens per sequence (default: the preset's block_size)")
-    a("--batch-size", type=int, help="global batch in sequences, over all ranks")
-    a("--steps", type=int, help="optimizer steps")
-    a("--lr", type=float, help="peak learning rate")
-    a("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of --lr")
-    a("--warmup-steps", type=int, help="linear warmup steps")
-    a("--weight-decay", type=float, default=0.1)
-    a("--optimizer", default="adamw", choices=["adamw", "muon"],
-      help="muon: Muon for the hidden matrices (shared across ranks), AdamW for the rest")
-    a("--muon-lr", type=float, default=0.02, help="Muon's peak learning rate (same schedule)")
-    a("--muon-momentum", type=float, default=0.95)
-    a("--muon-weight-decay", type=float, default=0.0)
-    a("--grad-clip", type=float, default=1.0, help="max global grad norm (0: off)")
-    a("--tokenizer", help="gpt2 or gpt2-<V> (auto: gpt2-2048 on CPU, gpt2 on GPU)")
-    a("--data", help="glob of llm.c .bin train shards (default: embedded Shakespeare)")
-    a("--val-data", help="glob of validation shards (with --data)")
-    a("--eval-interval", type=int, help="steps between validation evaluations")
-    a("--eval-windows", type=int, default=64, help="sequences per mid-run evaluation")
-    a("--final-eval-windows", type=int, help="sequences in the final evaluation (default: all)")
-    a("--log-interval", type=int, help="steps between log lines")
-    a("--dp", default="bucketed", choices=["naive", "flat", "bucketed"],
-      help="gradient averaging: one all-reduce per parameter after backward, one of a flat "
-           "buffer after backward, or buckets overlapped with backward (minidist.ddp.DDP)")
-    a("--bucket-cap-mb", type=float, default=25.0, help="bucket size for --dp bucketed")
-    a("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3],
-      help="ZeRO: 1 shards AdamW's state over ranks, 2 also the gradients (reduce-scattered "
-           "during backward), 3 also the parameters (gathered per block, prefetched); 0 is "
-           "plain data parallelism (--dp)")
-    a("--grad-accum-steps", type=int, default=1,
-      help="micro-steps per optimizer step; --batch-size is split over ranks and micro-steps")
-    a("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
-      help="autocast dtype of the forward pass; parameters, gradients and optimizer state stay "
-           "fp32; fp16 always runs with dynamic loss scaling (minidist.scaler.LossScaler)")
-    a("--loss-scale-init", type=float, default=2.0**16, help="fp16: the first loss scale")
-    a("--loss-scale-growth-interval", type=int, default=2000,
-      help="fp16: clean steps before the loss scale doubles")
-    a("--loss-scale-hysteresis", type=int, default=1,
-      help="fp16: consecutive overflows before the loss scale halves (each one skips its step)")
-    a("--seed", type=int, default=1337)
-    a("--sample-tokens", type=int, default=120, help="tokens to generate at the end")
-    a("--out-dir", default="out", help="where metrics.jsonl, loss.png, summary.json go")
-    return p
-
-
-def resolve_args(args, world_size: int) -> argparse.Namespace:
-    """Fill in the device-dependent defaults and reject what cannot run. Runs before any
-    process-group work, so a bad flag costs nothing and hangs nothing."""
-    p = build_parser()
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda but CUDA is not available: use --device cpu")
-    for k, v in AUTO[args.device].items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    if args.seq_len is None:
-        args.seq_len = PRESETS[args.preset]["block_size"]
-    for k in ("batch_size", "steps", "seq_len", "eval_interval", "log_interval", "eval_windows",
-              "final_eval_windows"):
-        if getattr(args, k) is not None and getattr(args, k) < 1:
-            p.error(f"--{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
-    if args.warmup_steps < 0 or args.warmup_steps >= args.steps:
-        p.error(f"--warmup-steps must be in [0, --steps), got {args.warmup_steps}")
-    if args.grad_accum_steps < 1:
-        p.error(f"--grad-accum-steps must be >= 1, got {args.grad_accum_steps}")
-    parts = world_size * args.grad_accum_steps
-    if args.batch_size % parts:
-        p.error(f"--batch-size {args.batch_size} does not divide across {world_size} ranks x "
-                f"{args.grad_accum_steps} micro-steps: use a multiple of {parts}, "
-                f"e.g. {parts * max(1, args.batch_size // parts)}")
-    if args.lr <= 0 or args.muon_lr <= 0:
-        p.error(f"--lr and --muon-lr must be > 0, got {args.lr} and {args.muon_lr}")
-    try:
-        make_scaler(args)
-    except ValueError as e:
-        p.error(f"loss scaling: {e}")
-    if args.zero_stage and args.optimizer == "muon":
-        p.error("--optimizer muon with --zero-stage > 0: Muon needs each gradient matrix whole "
-                "and already shards its own momentum over ranks; use --zero-stage 0 with muon")
-    if bool(args.data) != bool(args.val_data):
-        p.error("--data and --val-data go together: give both or neither")
-    try:
-        data.get_tokenizer(args.tokenizer)
-        if args.data is None:
-            data.corpus_dir()
-        else:
-            for pattern in (args.data, args.val_data):
-                data.TokenLoader(pattern, args.seq_len, world_size, 0, world_size)  # reads headers
-    except (ValueError, ImportError, FileNotFoundError) as e:
-        p.error(str(e))
-    return args
-
-
-def make_scaler(args) -> LossScaler:
-    """fp16 gets dynamic loss scaling; fp32 and bf16 a disabled (pass-through) scaler."""
-    return LossScaler(init_scale=args.loss_scale_init, growth_interval=args.loss_scale_growth_interval,
-                      hysteresis=args.loss_scale_hysteresis, enabled=args.precision == "fp16")
 
 
 def make_optimizers(model, args) -> list[torch.optim.Optimizer]:
@@ -214,11 +101,14 @@ def main(argv=None) -> dict:
     args = resolve_args(args, int(os.environ.get("WORLD_SIZE", 1)))
     # Data is prepared before the process group exists: each rank tokenizes if needed
     # (writes are atomic, so ranks racing on a fresh cache write the same bytes).
+    train_glob, val_glob = args.data, args.val_data
     if args.data is None:
         root = data.default_data_dir(args.tokenizer)
         data.prepare_shakespeare(root, args.tokenizer)
-        args.data, args.val_data = f"{root}/train_*.bin", f"{root}/val_*.bin"
+        train_glob, val_glob = f"{root}/train_*.bin", f"{root}/val_*.bin"
     info = init(device=args.device)
+    if args.debug_collectives:
+        faults.trace_collectives()
     log = print if info.is_main else (lambda *a, **k: None)
     if info.device.type == "cuda":
         # fp32 matmuls on TF32 tensor cores, the rate the MFU peak table assumes for fp32
@@ -237,9 +127,9 @@ def main(argv=None) -> dict:
     zero = opts[0] if args.zero_stage else None  # it also plays DDP's part: no_sync, averaging
     scaler = make_scaler(args)
     k = args.grad_accum_steps  # loader step s * k + m is micro-step m of optimizer step s
-    train = data.TokenLoader(args.data, args.seq_len, args.batch_size // k, info.rank,
+    train = data.TokenLoader(train_glob, args.seq_len, args.batch_size // k, info.rank,
                              info.world_size, args.seed)
-    val = data.TokenLoader(args.val_data, args.seq_len, args.batch_size, info.rank,
+    val = data.TokenLoader(val_glob, args.seq_len, args.batch_size, info.rank,
                            info.world_size, args.seed)
     tok_bytes = data.token_bytes(enc)
     fpt = flops_per_token(cfg, args.seq_len)
@@ -250,9 +140,15 @@ def main(argv=None) -> dict:
         f"vocab {cfg.vocab_size} ({args.tokenizer}) | batch {args.batch_size} x {args.seq_len} "
         f"tokens ({k} micro-step{'s' if k > 1 else ''}) | dp {args.dp} | {args.precision} | {args.optimizer}{f' zero-{args.zero_stage}' if args.zero_stage else ''} | {args.steps} steps | MFU vs {peak_src}")
 
-    out = Path(args.out_dir)
-    rows, tput, t_start = [], metrics.Throughput(), time.perf_counter()
-    for step in range(args.steps):
+    out, start, rows = Path(args.out_dir), 0, []
+    if args.resume:  # the step, parameters, optimizer state, scaler and log rows so far
+        meta = checkpoint.load(args.resume, model, opts, scaler)
+        start, rows = meta["step"], meta["extra"]["rows"]
+        if not meta["rng_restored"]:  # another world size: fresh RNG streams, reproducibly
+            torch.manual_seed(args.seed + start)
+        log(f"resumed from {args.resume} at step {start} (saved by {meta['world_size']} ranks)")
+    tput, t_start = metrics.Throughput(), time.perf_counter()
+    for step in range(start, args.steps):
         lr = lr_at(step, args)
         for g in (g for o in opts for g in o.param_groups):
             g["lr"] = g["peak_lr"] * lr / args.lr  # every group on the same schedule
@@ -292,6 +188,10 @@ def main(argv=None) -> dict:
                 + f" | {rate:,.0f} tok/s | MFU "
                 + (f"{100 * m:.1f}%" if m is not None else "n/a")
                 + f" | mem {row['mem_gb']:.2f} GB")
+        if args.checkpoint_every and ((step + 1) % args.checkpoint_every == 0 or last):
+            checkpoint.save(out / "checkpoints", step + 1, model, opts, scaler, keep=args.keep_checkpoints,
+                            extra={"settings": vars(args), "rows": rows, "config": cfg.to_dict()})
+        faults.inject_fault("step", step + 1, info.rank)
 
     # by default the whole validation split
     val_loss, bpb = metrics.evaluate(model, val, info, tok_bytes, args.final_eval_windows, args.precision)

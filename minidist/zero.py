@@ -146,7 +146,7 @@ class ShardedOptimizer:
                 for p, view in zip(u.params, u.views(u.flat_grad)):
                     p.grad = view
         self._unit_of = {p: u for u in self.units for p in u.params}
-        shard_groups = []
+        shard_groups, self.shard_views = [], []  # (view, its unit, its start in the shard)
         for i, g in enumerate(groups):
             views = []
             for u in self.units:
@@ -155,6 +155,7 @@ class ShardedOptimizer:
                     v = u.shard[a:b]
                     v.grad = u.grad_shard[a:b]  # stays linked: zero_grad zeroes in place
                     views.append(v)
+                    self.shard_views.append((v, u, a))
             if not views:  # no element of this group on this rank: a placeholder
                 views = [torch.zeros(0, device=ordered[0].device, dtype=ordered[0].dtype)]
                 views[0].grad = torch.zeros_like(views[0])

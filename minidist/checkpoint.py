@@ -1,0 +1,330 @@
+"""Checkpoints: save and resume, sharded, independent of the world size. Chapter 08
+(chapters/08_at_scale.md). Exercised by:
+
+    torchrun --standalone --nproc_per_node=4 minidist/train_gpt.py --zero-stage 2 --checkpoint-every 50
+    torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --zero-stage 3 --resume auto
+    python -m minidist.checkpoint out/checkpoints/step_00000100      # what a checkpoint holds
+    pytest tests/test_checkpoint.py
+
+A checkpoint is a folder, out/checkpoints/step_00000100/, holding one file per rank that
+saved it and a meta.json. Every rank writes only what it holds and nobody else does: its
+ZeRO shard of the optimizer state (and, at stage 3, of the parameters), the momentum of
+the matrices it owns under Muon, and its share of whatever is replicated (parameter i is
+written by rank i mod N). No rank gathers the whole model, which at scale would not fit.
+
+What makes it independent of the world size is how a piece is named: not "rank 3's
+shard" but "elements [start, start + n) of the flattened tensor KEY", where KEY is a
+parameter's name ("model/blocks.0.attn.c_attn.weight") or one of its optimizer state's
+("optim0/blocks.0.attn.c_attn.weight/exp_avg"). Resuming on M ranks, each rank works out
+which elements of which keys it now holds, and copies them from whichever pieces overlap
+them, whatever N and whichever ZeRO stage wrote them. The files are memory-mapped, so a
+rank reads only the bytes it needs.
+
+Atomic: the ranks write into a hidden folder; once all have written (a barrier), rank 0
+writes meta.json and renames the folder into place. A rename is atomic, so a kill at any
+moment leaves either the new checkpoint whole or no trace of it (the previous ones stay).
+Ranks on several nodes need the folder on a file system they all share.
+
+Exact resume also needs the step (the data and the learning-rate schedule are functions
+of it), the loss scaler, each rank's RNG state, and the caller's `extra` (train_gpt: its
+settings and its log rows).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from minidist.faults import inject_fault
+
+FORMAT = 1
+
+
+def _world() -> tuple[int, int]:
+    on = dist.is_available() and dist.is_initialized()
+    return (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+# ---- what a rank holds: slots -------------------------------------------------------
+
+class Slot(NamedTuple):
+    """Elements [start, start + tensor.numel()) of the flattened tensor `key` (full shape
+    `shape`) live in `tensor` on this rank. `write`: this rank is the one that saves it."""
+    key: str
+    shape: tuple
+    start: int
+    tensor: torch.Tensor
+    write: bool = True
+
+
+def _pieces_of(unit, lo: int, hi: int, names: dict):
+    """(name, shape, start within the parameter, a, b): each parameter of a ZeRO unit that
+    overlaps the unit's flat elements [lo, hi), and the overlap [a, b) in flat coordinates."""
+    offset = 0
+    for p in unit.params:
+        a, b = max(lo, offset), min(hi, offset + p.numel())
+        if a < b:
+            yield names[id(p)], tuple(p.shape), a - offset, a, b
+        offset += p.numel()
+
+
+def _holders(opt, names: dict, rank: int, world: int):
+    """(name, shape, start, holder, cut, write) for each range of a parameter's elements
+    whose optimizer state lives in `holder` (a parameter, or a ZeRO shard view) on this
+    rank: the state's elements `cut` = (a, b) of the holder (None: all of them). A shard
+    view spanning several parameters appears once per parameter. `write`: this rank saves it."""
+    if hasattr(opt, "shard_views"):  # ZeRO 1-3: the inner optimizer sees shard views
+        for view, unit, a0 in opt.shard_views:
+            lo = unit.lo + a0
+            for name, shape, start, a, b in _pieces_of(unit, lo, lo + view.numel(), names):
+                yield name, shape, start, view, (a - lo, b - lo), True
+        return
+    owners = opt.owners() if hasattr(opt, "owners") else None  # Muon: its owner holds it
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        if owners is None:  # replicated: every rank has it, rank i mod N writes it
+            yield names[id(p)], tuple(p.shape), 0, p, None, i % world == rank
+        elif owners[id(p)] == rank:
+            yield names[id(p)], tuple(p.shape), 0, p, None, True
+
+
+def _model_slots(model, optimizers, names, rank, world) -> list[Slot]:
+    fsdp = next((o for o in optimizers if getattr(o, "stage", 0) == 3), None)
+    if fsdp is not None:  # ZeRO-3: the parameters exist only as shards
+        return [Slot(f"model/{name}", shape, start, u.shard[a - u.lo:b - u.lo])
+                for u in fsdp.units
+                for name, shape, start, a, b in _pieces_of(u, u.lo, u.hi, names)]
+    return [Slot(f"model/{names[id(p)]}", tuple(p.shape), 0, p.detach().view(-1), i % world == rank)
+            for i, p in enumerate(_unique_params(model))]
+
+
+def _unique_params(model) -> list:
+    seen, out = set(), []
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def _names(model) -> dict:
+    return {id(p): n for n, p in model.named_parameters()}  # a tied parameter: its first name
+
+
+# ---- saving ------------------------------------------------------------------------
+
+def _atomic_write(path: Path, write) -> None:
+    """write(tmp_path), then rename over `path`: a reader sees the old file or the new one."""
+    tmp = path.with_name(f".{path.name}.partial")
+    write(tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save(root, step: int, model, optimizers, scaler=None, extra: dict | None = None,
+         keep: int = 2) -> Path:
+    """Write `root`/step_<step>/ (a collective: every rank calls it); keep the newest `keep`."""
+    rank, world, root = *_world(), Path(root)
+    final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+        tmp.mkdir(parents=True)
+    _barrier()
+    names = _names(model)
+    pieces, scalars = [], {}
+    for s in _model_slots(model, optimizers, names, rank, world):
+        if s.write:
+            pieces.append((s.key, s.shape, s.start, s.tensor.detach().cpu().clone()))
+    for i, opt in enumerate(optimizers):
+        for name, shape, start, holder, cut, write in _holders(opt, names, rank, world):
+            for k, v in opt.state.get(holder, {}).items():
+                key = f"optim{i}/{name}/{k}"
+                if torch.is_tensor(v) and v.dim() > 0:
+                    if not write:
+                        continue
+                    flat = v.view(-1) if cut is None else v.view(-1)[cut[0]:cut[1]]
+                    pieces.append((key, shape, start, flat.detach().cpu().clone()))  # clone: only these bytes
+                else:
+                    scalars[key] = v.detach().cpu().clone() if torch.is_tensor(v) else v
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    shard = {"pieces": pieces, "scalars": scalars, "rng": rng, "rank": rank}
+    _atomic_write(tmp / f"shard_{rank:05d}_of_{world:05d}.pt", lambda f: torch.save(shard, f))
+    inject_fault("save", step, rank)
+    _barrier()  # every shard is on disk
+    if rank == 0:
+        meta = {"format": FORMAT, "step": step, "world_size": world,
+                "optimizers": [{"param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                                 for g in o.param_groups]} for o in optimizers],
+                "scaler": scaler.state_dict() if scaler is not None else {},
+                "extra": extra or {}}
+        _atomic_write(tmp / "meta.json", lambda f: Path(f).write_text(json.dumps(meta, indent=1)))
+        if final.exists():  # saving the same step again: move the old one out of the way
+            old = root / f".old_step_{step:08d}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            shutil.rmtree(old)
+        os.replace(tmp, final)  # the moment the checkpoint exists, whole
+        for stale in list_checkpoints(root)[:-keep] if keep > 0 else []:
+            shutil.rmtree(stale, ignore_errors=True)
+    _barrier()
+    return final
+
+
+# ---- finding and reading ------------------------------------------------------------
+
+def list_checkpoints(root) -> list[Path]:
+    """The complete checkpoints under `root`, oldest first (hidden, unfinished ones are
+    not listed: a folder named step_* exists only once it is whole)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step_*") if (p / "meta.json").is_file())
+
+
+def latest(root) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def read_meta(path) -> dict:
+    path = Path(path)
+    if not (path / "meta.json").is_file():
+        raise FileNotFoundError(f"{path} is not a complete minidist checkpoint (no meta.json)")
+    return json.loads((path / "meta.json").read_text())
+
+
+class Reader:
+    """Every piece of a checkpoint, indexed by key, memory-mapped (read lazily)."""
+
+    def __init__(self, path):
+        self.path, self.meta = Path(path), read_meta(path)
+        files = sorted(self.path.glob("shard_*.pt"))
+        if len(files) != self.meta["world_size"]:
+            raise FileNotFoundError(f"{self.path}: {len(files)} shard files for a checkpoint "
+                                    f"saved by {self.meta['world_size']} ranks")
+        self.pieces, self.shapes, self.scalars, self.rng = {}, {}, {}, {}
+        for f in files:
+            shard = torch.load(f, mmap=True, weights_only=True, map_location="cpu")
+            for key, shape, start, t in shard["pieces"]:
+                self.pieces.setdefault(key, []).append((start, t))
+                self.shapes[key] = tuple(shape)
+            self.scalars.update(shard["scalars"])
+            self.rng[shard["rank"]] = shard["rng"]
+
+    def read(self, key: str, start: int, n: int) -> torch.Tensor:
+        """Elements [start, start + n) of the flattened tensor `key`."""
+        out = torch.empty(n, dtype=self.pieces[key][0][1].dtype)
+        covered = 0
+        for s, t in self.pieces[key]:
+            a, b = max(start, s), min(start + n, s + t.numel())
+            if a < b:
+                out[a - start:b - start] = t[a - s:b - s]
+                covered += b - a
+        if covered != n:
+            raise ValueError(f"{self.path}: elements [{start}, {start + n}) of {key} are not all "
+                             f"in the checkpoint ({covered} of {n} found): it is damaged")
+        return out
+
+    def consolidated(self) -> dict[str, torch.Tensor]:
+        """Every key as one full tensor, whatever the sharding it was saved with."""
+        out = {}
+        for key, shape in self.shapes.items():
+            n = 1
+            for d in shape:
+                n *= d
+            out[key] = self.read(key, 0, n).view(shape)
+        return {**out, **self.scalars}
+
+
+# ---- loading -----------------------------------------------------------------------
+
+def load(path, model, optimizers, scaler=None) -> dict:
+    """Fill `model`, `optimizers` (and `scaler`) from checkpoint `path`, saved with any
+    world size and ZeRO stage; the same kinds of optimizer in the same order. Every
+    mismatch is found before anything is changed. Returns the meta (with "extra").
+    Each rank restores its RNG state if the world size is unchanged; otherwise the
+    caller decides (returned as meta["rng_restored"])."""
+    rank, world = _world()
+    r = Reader(path)
+    names = _names(model)
+    fills, problems = [], []  # (destination 1-D tensor, key, start), checked first
+    for s in _model_slots(model, optimizers, names, rank, world):
+        if s.key not in r.shapes:
+            problems.append(f"{s.key} is not in the checkpoint")
+        elif r.shapes[s.key] != s.shape:
+            problems.append(f"{s.key}: {r.shapes[s.key]} in the checkpoint, {s.shape} here")
+        else:
+            fills.append((s.tensor, s.key, s.start))
+    wanted = {f"model/{n}" for n in names.values()}
+    problems += [f"{k} is in the checkpoint but not in this model"
+                 for k in r.shapes if k.startswith("model/") and k not in wanted]
+    if len(r.meta["optimizers"]) != len(optimizers):
+        problems.append(f"{len(r.meta['optimizers'])} optimizers saved, {len(optimizers)} here")
+    states = []  # (optimizer, holder, state key, value or (key, start, cut))
+    for i, opt in enumerate(optimizers):
+        for name, shape, start, holder, cut, _ in _holders(opt, names, rank, world):
+            prefix = f"optim{i}/{name}/"
+            for key in [k for k in r.shapes if k.startswith(prefix)]:
+                states.append((opt, holder, key[len(prefix):], (key, start, cut)))
+            for key in [k for k in r.scalars if k.startswith(prefix)]:
+                states.append((opt, holder, key[len(prefix):], r.scalars[key]))
+    if problems:
+        saved = r.meta.get("extra", {}).get("config")
+        raise ValueError(f"checkpoint {path} does not fit this model/optimizer:\n  "
+                         + "\n  ".join(problems[:10]) + (f"\n  (saved model config: {saved})" if saved else "")
+                         + "\nresume with the same model and optimizer flags as the run that saved it")
+    with torch.no_grad():
+        for dest, key, start in fills:
+            dest.copy_(r.read(key, start, dest.numel()))
+        for opt, holder, k, value in states:
+            st = opt.state[holder]  # (ZeRO's .state is its inner optimizer's)
+            if isinstance(value, tuple):  # elementwise: fill this holder's range of it
+                key, start, cut = value
+                if k not in st:
+                    st[k] = torch.zeros_like(holder)
+                dest = st[k].view(-1) if cut is None else st[k].view(-1)[cut[0]:cut[1]]
+                dest.copy_(r.read(key, start, dest.numel()))
+            else:
+                st[k] = value.clone() if torch.is_tensor(value) else value
+        for opt, saved in zip(optimizers, r.meta["optimizers"]):
+            for g, sg in zip(opt.param_groups, saved["param_groups"]):
+                g.update({k: tuple(v) if isinstance(v, list) else v for k, v in sg.items()})
+    if scaler is not None and scaler.enabled and r.meta["scaler"]:
+        scaler.load_state_dict(r.meta["scaler"])
+    meta = dict(r.meta)
+    meta["rng_restored"] = r.meta["world_size"] == world and rank in r.rng
+    if meta["rng_restored"]:
+        torch.set_rng_state(r.rng[rank]["cpu"])
+        if "cuda" in r.rng[rank] and torch.cuda.is_available():
+            torch.cuda.set_rng_state(r.rng[rank]["cuda"])
+    return meta
+
+
+def main(argv=None) -> None:
+    """python -m minidist.checkpoint PATH: what a checkpoint holds."""
+    path = Path((argv or sys.argv[1:] or ["."])[0])
+    if not (path / "meta.json").exists():  # a folder of checkpoints: the newest
+        path = latest(path) or path
+    r = Reader(path)
+    print(f"{r.path}: step {r.meta['step']}, saved by {r.meta['world_size']} rank(s)")
+    for key, shape in sorted(r.shapes.items()):
+        print(f"  {key:60s} {str(list(shape)):>14s}  in {len(r.pieces[key])} piece(s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Faults: injecting them on purpose, and finding the collective that hangs. Chapter 08
+(chapters/08_at_scale.md). Exercised by:
+
+    MINIDIST_FAULT=kill:step:30:1 torchrun --standalone --nproc_per_node=2 --max-restarts=1 \\
+        minidist/train_gpt.py --checkpoint-every 20 --resume auto   # rank 1 dies, the job recovers
+    torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --debug-collectives
+    pytest tests/test_faults.py
+
+Every rank must call the same collectives in the same order with tensors of the same
+shapes. When one rank does not (it skipped a backward, took another branch, has a
+different number of parameters), the others wait in a collective that will never
+complete: the job hangs until the process group's timeout, and the error then names
+neither the collective nor the rank at fault. Debug mode (trace_collectives) finds both:
+before each collective, every rank publishes (sequence number, op, shape, dtype, the line
+that called it) in the rendezvous store that all ranks already share, and waits for every
+peer's entry under the same number. Different entries: CollectiveMismatch at once, with
+both sides. A peer that does not arrive within the timeout: CollectiveMismatch naming it,
+and the last collective it did reach. It costs a few store round trips per collective per
+peer, so it is for debugging, not for training at scale (torch's own
+TORCH_DISTRIBUTED_DEBUG=DETAIL checks collectives' shapes in a similar spirit).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import sys
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def inject_fault(point: str, step: int, rank: int) -> None:
+    """MINIDIST_FAULT="kill:POINT:STEP:RANK" SIGKILLs rank RANK at POINT ("step": after
+    optimizer step STEP; "save": while saving step STEP, after its shard is written and
+    before the checkpoint is complete). Only the first attempt of a torchrun job is
+    killed, so the restarted one runs through. Unset, it does nothing."""
+    spec = os.environ.get("MINIDIST_FAULT")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    kind, where, at_step, at_rank = spec.split(":")
+    if kind == "kill" and where == point and int(at_step) == step and int(at_rank) == rank:
+        print(f"[minidist] injected fault: SIGKILL rank {rank} at {point} {step}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks disagree on which collective comes next, or one never came."""
+
+
+# the collectives minidist and its tests call; point-to-point send/recv are not traced
+# (ranks legitimately send different things to different peers)
+TRACED = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor",
+          "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "broadcast",
+          "reduce", "barrier", "all_gather_object", "broadcast_object_list")
+
+_originals: dict = {}
+
+
+def _describe(op: str, args, kwargs) -> str:
+    first = next((a for a in (*args, *kwargs.values()) if torch.is_tensor(a)), None)
+    if first is None:
+        lists = [a for a in (*args, *kwargs.values()) if isinstance(a, list) and a and torch.is_tensor(a[0])]
+        first = lists[0][0] if lists else None
+    what = "" if first is None else f"{str(first.dtype).replace('torch.', '')}{list(first.shape)}"
+    return f"{op}({what})"
+
+
+def _caller() -> str:
+    """The first frame outside torch and this module: the line that asked for it."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if "torch" + os.sep not in frame.filename and frame.filename != __file__:
+            return f"{os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
+    return "?"
+
+
+class _Tracer:
+    def __init__(self, timeout_s: float):
+        self.store = dist.distributed_c10d._get_default_store()  # the rendezvous store
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.timeout, self.seq = timedelta(seconds=timeout_s), 0
+        # a torchrun restart keeps the store: each attempt writes under its own prefix
+        self.prefix = f"minidist_trace/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        self.history: list[str] = []  # this rank's collectives so far (also for debugging)
+
+    def _entry(self, rank: int, seq: int) -> str:
+        return self.store.get(f"{self.prefix}/{rank}/{seq}").decode()
+
+    def check(self, op: str, args, kwargs) -> None:
+        group = kwargs.get("group")
+        if group is not None and group is not dist.group.WORLD:
+            return  # subgroups: not traced (their members differ)
+        self.seq += 1
+        mine = json.dumps([_describe(op, args, kwargs), _caller()])
+        self.history.append(mine)
+        self.store.set(f"{self.prefix}/{self.rank}/{self.seq}", mine)
+        self.store.set(f"{self.prefix}/{self.rank}/last", str(self.seq))
+        for peer in range(self.world):
+            if peer == self.rank:
+                continue
+            try:
+                self.store.wait([f"{self.prefix}/{peer}/{self.seq}"], self.timeout)
+            except Exception:  # the store's timeout: the peer never got here
+                last = int(self.store.get(f"{self.prefix}/{peer}/last").decode()) \
+                    if self.store.check([f"{self.prefix}/{peer}/last"]) else 0
+                theirs = f"#{last}: {self._show(self._entry(peer, last))}" if last else "none"
+                raise CollectiveMismatch(
+                    f"rank {peer} did not reach collective #{self.seq} within "
+                    f"{self.timeout.total_seconds():g} s; rank {self.rank} is waiting in "
+                    f"{self._show(mine)}. Rank {peer}'s last collective was {theirs}") from None
+            theirs = self._entry(peer, self.seq)
+            if json.loads(theirs)[0] != json.loads(mine)[0]:
+                raise CollectiveMismatch(
+                    f"ranks diverge at collective #{self.seq}: rank {self.rank} calls "
+                    f"{self._show(mine)}, rank {peer} calls {self._show(theirs)}. Every rank "
+                    f"must run the same collectives in the same order (collectives #1-"
+                    f"#{self.seq - 1} agreed)")
+
+    @staticmethod
+    def _show(entry: str) -> str:
+        what, where = json.loads(entry)
+        return f"{what} at {where}"
+
+
+def trace_collectives(timeout_s: float = 60.0) -> None:
+    """Debug mode: check every collective on the default group against every peer's
+    (call after the process group exists, on every rank). stop_tracing() undoes it."""
+    if _originals:
+        return
+    tracer = _Tracer(timeout_s)
+    for name in TRACED:
+        fn = getattr(dist, name)
+        _originals[name] = fn
+
+        @functools.wraps(fn)
+        def traced(*args, _fn=fn, _name=name, **kwargs):
+            tracer.check(_name, args, kwargs)
+            return _fn(*args, **kwargs)
+        setattr(dist, name, traced)
+
+
+def stop_tracing() -> None:
+    for name, fn in _originals.items():
+        setattr(dist, name, fn)
+    _originals.clear()

@@ -1,0 +1,181 @@
+"""Every technique as a flag: train_gpt's command line, and the checks that run before any
+process-group work, so that a bad flag costs nothing and hangs nothing. Chapter 01
+(chapters/01_gpt.md) introduces the run; each later chapter adds its flags. Exercised by:
+
+    python minidist/train_gpt.py --help
+    pytest tests/test_train_gpt.py
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from minidist import checkpoint, data
+from minidist.model import PRESETS
+from minidist.scaler import LossScaler
+
+# What "auto" means on each kind of device: a run that fits the machine.
+AUTO = {
+    "cpu": dict(preset="tiny", tokenizer="gpt2-2048", batch_size=32, steps=480, lr=3e-3,
+                warmup_steps=20, eval_interval=80, log_interval=20),
+    "cuda": dict(preset="gpt2", tokenizer="gpt2", batch_size=32, steps=300, lr=6e-4,
+                 warmup_steps=30, eval_interval=50, log_interval=10),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Train a GPT with any combination of minidist's techniques, each a flag.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = p.add_argument
+    a("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    a("--preset", default=None, choices=sorted(PRESETS), help="model size (auto by device)")
+    a("--n-layer", type=int), a("--n-head", type=int), a("--n-embd", type=int)
+    a("--dropout", type=float, default=0.0)
+    a("--seq-len", type=int, help="tokens per sequence (default: the preset's block_size)")
+    a("--batch-size", type=int, help="global batch in sequences, over all ranks")
+    a("--steps", type=int, help="optimizer steps")
+    a("--lr", type=float, help="peak learning rate")
+    a("--min-lr-ratio", type=float, default=0.1, help="final lr as a fraction of --lr")
+    a("--warmup-steps", type=int, help="linear warmup steps")
+    a("--weight-decay", type=float, default=0.1)
+    a("--optimizer", default="adamw", choices=["adamw", "muon"],
+      help="muon: Muon for the hidden matrices (shared across ranks), AdamW for the rest")
+    a("--muon-lr", type=float, default=0.02, help="Muon's peak learning rate (same schedule)")
+    a("--muon-momentum", type=float, default=0.95)
+    a("--muon-weight-decay", type=float, default=0.0)
+    a("--grad-clip", type=float, default=1.0, help="max global grad norm (0: off)")
+    a("--tokenizer", help="gpt2 or gpt2-<V> (auto: gpt2-2048 on CPU, gpt2 on GPU)")
+    a("--data", help="glob of llm.c .bin train shards (default: embedded Shakespeare)")
+    a("--val-data", help="glob of validation shards (with --data)")
+    a("--eval-interval", type=int, help="steps between validation evaluations")
+    a("--eval-windows", type=int, default=64, help="sequences per mid-run evaluation")
+    a("--final-eval-windows", type=int, help="sequences in the final evaluation (default: all)")
+    a("--log-interval", type=int, help="steps between log lines")
+    a("--dp", default="bucketed", choices=["naive", "flat", "bucketed"],
+      help="gradient averaging: one all-reduce per parameter after backward, one of a flat "
+           "buffer after backward, or buckets overlapped with backward (minidist.ddp.DDP)")
+    a("--bucket-cap-mb", type=float, default=25.0, help="bucket size for --dp bucketed")
+    a("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3],
+      help="ZeRO: 1 shards AdamW's state over ranks, 2 also the gradients (reduce-scattered "
+           "during backward), 3 also the parameters (gathered per block, prefetched); 0 is "
+           "plain data parallelism (--dp)")
+    a("--grad-accum-steps", type=int, default=1,
+      help="micro-steps per optimizer step; --batch-size is split over ranks and micro-steps")
+    a("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+      help="autocast dtype of the forward pass; parameters, gradients and optimizer state stay "
+           "fp32; fp16 always runs with dynamic loss scaling (minidist.scaler.LossScaler)")
+    a("--loss-scale-init", type=float, default=2.0**16, help="fp16: the first loss scale")
+    a("--loss-scale-growth-interval", type=int, default=2000,
+      help="fp16: clean steps before the loss scale doubles")
+    a("--loss-scale-hysteresis", type=int, default=1,
+      help="fp16: consecutive overflows before the loss scale halves (each one skips its step)")
+    a("--seed", type=int, default=1337)
+    a("--sample-tokens", type=int, default=120, help="tokens to generate at the end")
+    a("--out-dir", default="out", help="where metrics.jsonl, loss.png, summary.json go")
+    a("--checkpoint-every", type=int, default=0,
+      help="save a checkpoint in OUT_DIR/checkpoints every N steps and at the end (0: never)")
+    a("--keep-checkpoints", type=int, default=2, help="the newest checkpoints to keep")
+    a("--resume", help="'auto': continue from the newest checkpoint in OUT_DIR/checkpoints if "
+      "there is one (for torchrun --max-restarts); or a checkpoint folder, saved on any number "
+      "of ranks at any --zero-stage")
+    a("--debug-collectives", action="store_true",
+      help="check every collective against every rank's; name the first that differs (slow)")
+    return p
+
+
+# what a resumed run may change: how the work is spread and watched, not what it computes
+MAY_CHANGE_ON_RESUME = {"device", "dp", "bucket_cap_mb", "zero_stage", "grad_accum_steps",
+                        "precision", "loss_scale_init", "loss_scale_growth_interval",
+                        "loss_scale_hysteresis", "eval_interval", "eval_windows", "log_interval",
+                        "final_eval_windows", "sample_tokens", "out_dir", "checkpoint_every",
+                        "keep_checkpoints", "resume", "debug_collectives"}
+
+
+def resolve_args(args, world_size: int) -> argparse.Namespace:
+    """Fill in the device-dependent defaults and reject what cannot run. Runs before any
+    process-group work, so a bad flag costs nothing and hangs nothing."""
+    p = build_parser()
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but CUDA is not available: use --device cpu")
+    for k, v in AUTO[args.device].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.seq_len is None:
+        args.seq_len = PRESETS[args.preset]["block_size"]
+    for k in ("batch_size", "steps", "seq_len", "eval_interval", "log_interval", "eval_windows",
+              "final_eval_windows"):
+        if getattr(args, k) is not None and getattr(args, k) < 1:
+            p.error(f"--{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
+    if args.warmup_steps < 0 or args.warmup_steps >= args.steps:
+        p.error(f"--warmup-steps must be in [0, --steps), got {args.warmup_steps}")
+    if args.grad_accum_steps < 1:
+        p.error(f"--grad-accum-steps must be >= 1, got {args.grad_accum_steps}")
+    parts = world_size * args.grad_accum_steps
+    if args.batch_size % parts:
+        p.error(f"--batch-size {args.batch_size} does not divide across {world_size} ranks x "
+                f"{args.grad_accum_steps} micro-steps: use a multiple of {parts}, "
+                f"e.g. {parts * max(1, args.batch_size // parts)}")
+    if args.lr <= 0 or args.muon_lr <= 0:
+        p.error(f"--lr and --muon-lr must be > 0, got {args.lr} and {args.muon_lr}")
+    try:
+        make_scaler(args)
+    except ValueError as e:
+        p.error(f"loss scaling: {e}")
+    if args.zero_stage and args.optimizer == "muon":
+        p.error("--optimizer muon with --zero-stage > 0: Muon needs each gradient matrix whole "
+                "and already shards its own momentum over ranks; use --zero-stage 0 with muon")
+    if args.checkpoint_every < 0 or args.keep_checkpoints < 1:
+        p.error("--checkpoint-every must be >= 0 and --keep-checkpoints >= 1")
+    root = Path(args.out_dir) / "checkpoints"
+    if args.resume is None and args.checkpoint_every and checkpoint.latest(root):
+        p.error(f"{root} holds checkpoints of an earlier run: --resume auto continues it; "
+                "another --out-dir (or deleting them) starts over")
+    try:  # the global batch of step s does not depend on the world size or micro-steps
+        args.resume = find_resume(args.resume, root, vars(args), MAY_CHANGE_ON_RESUME)
+    except (ValueError, FileNotFoundError) as e:
+        p.error(f"--resume: {e}")
+    args.resume = args.resume and str(args.resume)
+    if bool(args.data) != bool(args.val_data):
+        p.error("--data and --val-data go together: give both or neither")
+    try:
+        data.get_tokenizer(args.tokenizer)
+        if args.data is None:
+            data.corpus_dir()
+        else:
+            for pattern in (args.data, args.val_data):
+                data.TokenLoader(pattern, args.seq_len, world_size, 0, world_size)  # reads headers
+    except (ValueError, ImportError, FileNotFoundError) as e:
+        p.error(str(e))
+    return args
+
+
+def find_resume(resume: str | None, root, settings: dict, may_change=()) -> Path | None:
+    """The checkpoint a run should resume from: resume="auto", the newest under `root` (None
+    if there is none yet: a first start); a path, that checkpoint; None, nothing. Raises
+    ValueError, before any work, if it was saved with other `settings` than these (keys in
+    `may_change` may differ: how the run is spread, not what it computes)."""
+    if resume is None:
+        return None
+    path = checkpoint.latest(root) if resume == "auto" else Path(resume)
+    if path is None:
+        return None
+    saved = checkpoint.read_meta(path)["extra"].get("settings", {})
+    changed = [f"{k}: {saved[k]!r} saved, {v!r} now" for k, v in settings.items()
+               if k in saved and k not in may_change and saved[k] != v]
+    if changed:
+        raise ValueError(f"{path} was saved by a run with other settings ({'; '.join(changed)}): "
+                         "resume with the same ones, or start over in another folder")
+    return path
+
+
+def make_scaler(args) -> LossScaler:
+    """fp16 gets dynamic loss scaling; fp32 and bf16 a disabled (pass-through) scaler."""
+    return LossScaler(init_scale=args.loss_scale_init, growth_interval=args.loss_scale_growth_interval,
+                      hysteresis=args.loss_scale_hysteresis, enabled=args.precision == "fp16")
+
+

@@ -1,0 +1,119 @@
+"""Surviving faults (chapter 08): a rank SIGKILLed mid-run under torchrun --max-restarts
+comes back from the last checkpoint and ends exactly where the uninterrupted run ends;
+a kill while a checkpoint is being written leaves the previous one whole; and the debug
+mode of minidist.faults names the first collective on which ranks diverge, or the rank
+that never arrives, within its timeout."""
+
+import json
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import run
+from minidist import checkpoint, faults
+from minidist.ddp import DDP
+from minidist.dist import launch
+from minidist.model import GPT, GPTConfig
+
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seq-len", "16", "--batch-size", "8",
+        "--steps", "6", "--warmup-steps", "2", "--eval-interval", "100", "--log-interval", "1",
+        "--final-eval-windows", "2", "--sample-tokens", "2", "--checkpoint-every", "2"]
+
+
+def _torchrun(out, *extra, restarts=0, fault=None):
+    cmd = ["torchrun", "--standalone", "--nproc_per_node=2", f"--max-restarts={restarts}",
+           "minidist/train_gpt.py", *TINY, "--out-dir", str(out), *extra]
+    return run(cmd, timeout=300, env={"MINIDIST_FAULT": fault} if fault else {"MINIDIST_FAULT": ""})
+
+
+def _final(out):
+    state = checkpoint.Reader(checkpoint.latest(out / "checkpoints")).consolidated()
+    losses = [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+              if "loss" in r]
+    return state, losses
+
+
+def test_killed_rank_and_killed_save_resume_exactly(tmp_path):
+    r = _torchrun(tmp_path / "whole")
+    assert r.returncode == 0, r.stderr
+    whole, whole_losses = _final(tmp_path / "whole")
+    assert len(whole_losses) == 6
+
+    # rank 1 is SIGKILLed after step 3; torchrun restarts both ranks; they resume from step 2
+    r = _torchrun(tmp_path / "killed", "--resume", "auto", restarts=1, fault="kill:step:3:1")
+    assert r.returncode == 0, r.stderr
+    assert "injected fault: SIGKILL rank 1 at step 3" in r.stderr
+    assert "resumed from" in r.stdout and "at step 2" in r.stdout
+
+    # rank 1 is SIGKILLed while writing step 4's checkpoint: no restart, the job fails
+    out = tmp_path / "killed_in_save"
+    r = _torchrun(out, restarts=0, fault="kill:save:4:1")
+    assert r.returncode != 0 and "injected fault: SIGKILL rank 1 at save 4" in r.stderr
+    assert [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")] == ["step_00000002"]
+    assert (out / "checkpoints" / ".tmp_step_00000004").is_dir()  # the unfinished one, hidden
+    r = _torchrun(out, "--resume", "auto")  # started again by hand
+    assert r.returncode == 0, r.stderr
+
+    for name in ("killed", "killed_in_save"):
+        state, losses = _final(tmp_path / name)
+        assert losses == whole_losses, name  # the log rows of steps 1-2 came from the checkpoint
+        assert state.keys() == whole.keys()
+        for k, v in whole.items():  # bitwise: the same arithmetic in the same order
+            assert torch.equal(state[k], v) if torch.is_tensor(v) else state[k] == v, (name, k)
+    assert not (out / "checkpoints" / ".tmp_step_00000004").exists()
+
+
+def test_resume_refuses_other_settings_before_any_work(tmp_path):
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step_00000002").mkdir(parents=True)
+    meta = {"format": 1, "step": 2, "world_size": 2, "optimizers": [], "scaler": {},
+            "extra": {"settings": {"lr": 0.5, "n_layer": 2}}}
+    (out / "checkpoints" / "step_00000002" / "meta.json").write_text(json.dumps(meta))
+    r = run(["python", "minidist/train_gpt.py", *TINY, "--out-dir", str(out), "--resume", "auto"])
+    assert r.returncode != 0 and "lr: 0.5 saved" in r.stderr and "Traceback" not in r.stderr
+    r = run(["python", "minidist/train_gpt.py", *TINY, "--out-dir", str(out)])  # no --resume
+    assert r.returncode != 0 and "--resume auto continues it" in r.stderr
+
+
+def _diverge(how):
+    """2 ranks under the collective tracer, a training loop shaped like train_gpt's; rank 1
+    skips the backward of step 1 ("skip"), or stops there ("stop")."""
+    faults.trace_collectives(timeout_s=3)
+    try:
+        torch.manual_seed(0)
+        model = DDP(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32)))
+        x = torch.randint(0, 32, (2, 9))
+        for step in range(3):
+            if (dist.get_rank(), step, how) == (1, 1, "stop"):
+                return "stopped"
+            dist.all_reduce(torch.ones(1, dtype=torch.float64))  # the batch's token count
+            loss = model(x[:, :-1], x[:, 1:])[1]
+            if (dist.get_rank(), step) != (1, 1):
+                loss.backward()  # DDP all-reduces the gradients' buckets
+            dist.all_reduce(loss.detach())  # the logged loss
+            model.module.zero_grad()
+    finally:
+        faults.stop_tracing()
+
+
+def test_mismatch_detector_names_the_first_divergent_collective():
+    t = time.perf_counter()
+    with pytest.raises(faults.CollectiveMismatch) as e:
+        launch(_diverge, 2, "skip", timeout_s=60)
+    text = str(e.value)
+    assert "ranks diverge at collective #" in text, text
+    assert "all_reduce(float32[" in text and "ddp.py" in text  # the gradients' bucket, on rank 0
+    assert "all_reduce(float32[])" in text and "test_faults.py" in text  # the loss, on rank 1
+    assert time.perf_counter() - t < 50
+
+
+def test_a_rank_that_never_arrives_is_named_within_the_timeout():
+    t = time.perf_counter()
+    with pytest.raises(faults.CollectiveMismatch) as e:
+        launch(_diverge, 2, "stop", timeout_s=60)
+    text = str(e.value)
+    assert "rank 1 did not reach collective #" in text and "within 3 s" in text, text
+    assert "Rank 1's last collective was #" in text
+    assert time.perf_counter() - t < 50
