@@ -4,8 +4,12 @@ machines; ratios measured side by side do).
 
 Chapter 02 (chapters/02_collectives.md) uses `collectives`, chapter 03 `ddp`, chapter 06
 `zero` (minidist/bench_zero.py), chapter 07 `muon` (minidist/bench_muon.py); chapter 08
-collects them all.
-Exercised by `python -m minidist.bench collectives --quick` (tests/test_bench.py).
+(chapters/08_at_scale.md) adds `scale` (minidist/bench_scale.py: the cost model of
+minidist/cost_model.py from 8 to 1024 GPUs, no training) and `all` (minidist/bench_report.py:
+every benchmark in turn, then one report.md with their tables, plots, the machine and the
+date; the exit status is 1 if any of them failed).
+Exercised by `python -m minidist.bench collectives --quick` (tests/test_bench.py) and
+`python -m minidist.bench scale --quick` (tests/test_cost_model.py).
 
 Each benchmark prints a table and writes NAME.json and NAME.png into --out.
 """
@@ -274,7 +278,18 @@ def zero(args) -> dict:
     return run(args)
 
 
-BENCHMARKS = {"collectives": collectives, "ddp": ddp, "muon": muon, "zero": zero}
+def scale(args) -> dict:
+    from minidist.bench_scale import scale as run  # chapter 08's cost model, no processes
+    return run(args)
+
+
+def all_benchmarks(args) -> dict:
+    from minidist.bench_report import run_all  # every benchmark above, then report.md
+    return run_all(args)
+
+
+BENCHMARKS = {"collectives": collectives, "ddp": ddp, "muon": muon, "zero": zero, "scale": scale,
+              "all": all_benchmarks}
 
 
 def main(argv=None) -> None:

@@ -1,0 +1,293 @@
+"""What data parallelism and ZeRO cost from 8 to 1024 GPUs, in closed form. Chapter 08
+(chapters/08_at_scale.md). Exercised by `python -m minidist.bench scale`
+(minidist/bench_scale.py) and tests/test_cost_model.py.
+
+A step on N GPUs is predicted from three kinds of figures:
+
+- compute: training FLOPs per token (`minidist.model.flops_per_token`: 6 x parameters
+  plus 12 L T d for attention) over the hardware's dense peak times an assumed MFU;
+- network: chapter 02's alpha-beta model, alpha seconds per message and beta seconds per
+  byte, one pair for links inside a node and one for links between nodes;
+- memory: the ZeRO paper's 2 + 2 + K bytes per parameter (K = 12, mixed-precision Adam),
+  divided per stage, plus activations.
+
+Scaling efficiency is throughput on N GPUs over N times that of one GPU that communicates
+nothing: t(1) x (tokens per step on N / tokens per step on 1) / (N x t(N)). Here the
+scaling is weak: every GPU keeps the same micro-batch whatever N, the tokens grow with N,
+and the efficiency is t(1) / t(N). That is the kinder case. Hugging Face's Ultra-Scale
+Playbook (2025) measures throughput per GPU falling as data parallelism grows to hundreds
+of GPUs at a fixed global batch, where each GPU's share of the batch, and so the compute
+that can hide communication, shrinks as N grows.
+
+Read the efficiencies as upper bounds. The model is optimistic where it assumes:
+- overlap is perfect up to the compute there is to hide behind (`Hardware.overlap`): real
+  communication kernels take SMs and memory bandwidth from the compute they overlap;
+- no stragglers, no congestion, no jitter: every GPU finishes its compute at the same
+  instant and every link runs at its rated bandwidth whatever else the fabric carries;
+- MFU is the same at every N and for every strategy (ZeRO-3's many small kernels and the
+  bookkeeping of sharding lower it in practice);
+- the optimizer step and the loss's gradient clipping reductions are left out (ZeRO's
+  step shrinks by N, so leaving it out slightly understates what ZeRO saves);
+- ZeRO-3's parameters are spread evenly over the L blocks (the embeddings are a unit of
+  their own in minidist/zero3.py, a large one for small models).
+It is pessimistic where it assumes:
+- a flat ring at the pace of its slowest link: no hierarchical collectives (reduce-scatter
+  over NVLink, then between nodes on 1/8 of the data) and no in-network reduction;
+- the ring's 2(N-1) message latencies per all-reduce: NCCL switches to trees at scale,
+  with about 2 log2 N; `Hardware(latency="tree")` shows what that changes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from minidist.model import GPTConfig, config_num_params, flops_per_token
+
+GB = 1e9  # decimal, as the datasheets count
+
+
+@dataclass
+class Hardware:
+    """A cluster of identical GPUs in nodes. Defaults: H100 SXM in 8-GPU nodes (the DGX
+    H100 shape), one 400 Gb/s InfiniBand NDR adapter per GPU."""
+    name: str = "H100 SXM, 8 per node, NVLink 4, 400 Gb/s IB NDR per GPU"
+    # NVIDIA H100 SXM datasheet: 989 TFLOP/s dense bf16 (1979 is with 2:4 sparsity);
+    # the H200 has the same compute and more memory (141 GB HBM3e against 80 GB HBM3)
+    peak_flops: float = 989e12
+    mfu: float = 0.40             # assumed, and held at every N (see the docstring)
+    gpus_per_node: int = 8
+    # NVLink 4: 900 GB/s per GPU counting both directions, so 450 GB/s each way
+    intra_GBps: float = 450.0
+    intra_alpha_s: float = 3e-6   # an assumed order of magnitude: no datasheet quotes one
+    # 400 Gb/s NDR = 50 GB/s each way, one adapter per GPU
+    inter_GBps: float = 50.0
+    inter_alpha_s: float = 10e-6  # assumed, as intra_alpha_s
+    overlap: float = 1.0          # share of the compute that communication can hide behind
+    latency: str = "ring"         # "ring": messages as minidist.comm's rings; "tree": log2 N
+
+
+MEMORY_LIMITS_GB = (80.0, 141.0)  # H100 SXM (HBM3), H200 (HBM3e)
+
+# The models: GPT-2 small and medium, then the shapes of GPT-3's 1.3B and 6.7B (Brown et
+# al., 2020, table 2.1; 2048 wide with 16 heads of 128 here), all with GPT-2's vocabulary
+# and 1024-token context, so that one per-GPU micro-batch means the same for all.
+MODELS = {
+    "124M": GPTConfig(n_layer=12, n_head=12, n_embd=768),
+    "350M": GPTConfig(n_layer=24, n_head=16, n_embd=1024),
+    "1.3B": GPTConfig(n_layer=24, n_head=16, n_embd=2048),
+    "7B": GPTConfig(n_layer=32, n_head=32, n_embd=4096),  # 6.65B parameters
+}
+STRATEGIES = ("dp", "zero1", "zero2", "zero3")
+
+# Chapter 02's table, written out: the share of the buffer S each rank sends, and the
+# messages each rank sends one after another (tests/test_cost_model.py checks these
+# against minidist.bench.RING, which the benchmark fits alpha and beta with).
+SENT_FRACTION = {"all_reduce": lambda n: 2 * (n - 1) / n,
+                 "reduce_scatter": lambda n: (n - 1) / n,
+                 "all_gather": lambda n: (n - 1) / n}
+MESSAGES = {
+    "ring": {"all_reduce": lambda n: 2 * (n - 1),
+             "reduce_scatter": lambda n: n - 1, "all_gather": lambda n: n - 1},
+    # log2 N rounds each way and the ring's bytes: chapter 02's recursive halving and
+    # doubling (Rabenseifner) row. NCCL's trees have the latency; their bytes per link
+    # come near the ring's, not to it, so "tree" is the optimistic end.
+    "tree": {"all_reduce": lambda n: 2 * math.ceil(math.log2(n)),
+             "reduce_scatter": lambda n: math.ceil(math.log2(n)),
+             "all_gather": lambda n: math.ceil(math.log2(n))},
+}
+
+
+def link(n: int, hw: Hardware) -> tuple[float, float]:
+    """(alpha, beta) of a collective over n GPUs. Every step of a ring waits for all its
+    transfers, so once the ring leaves the node it runs at the slowest link's pace."""
+    if n <= hw.gpus_per_node:
+        return hw.intra_alpha_s, 1 / (hw.intra_GBps * GB)
+    return max(hw.intra_alpha_s, hw.inter_alpha_s), 1 / (min(hw.intra_GBps, hw.inter_GBps) * GB)
+
+
+def collective_time(op: str, nbytes: float, n: int, hw: Hardware) -> float:
+    """Seconds for one collective on a buffer of nbytes (the whole S) over n GPUs."""
+    if n == 1:
+        return 0.0
+    alpha, beta = link(n, hw)
+    return MESSAGES[hw.latency][op](n) * alpha + SENT_FRACTION[op](n) * nbytes * beta
+
+
+def comm_volume(strategy: str, psi: float, n: int, elem_bytes: int = 2) -> float:
+    """Bytes each GPU sends per step: 2 Psi (N-1)/N elements for data parallelism and
+    ZeRO-1/2 (a reduce-scatter plus an all-gather is an all-reduce), 3 Psi (N-1)/N for
+    ZeRO-3 (parameters gathered in forward and again in backward, gradients scattered)."""
+    factor = 3 if strategy == "zero3" else 2
+    return factor * psi * (n - 1) / n * elem_bytes
+
+
+def exposed_time(c: float, k: int, t: float) -> float:
+    """Communication left showing when k transfers of c seconds each are paired with k
+    equal slices of t seconds of compute, one transfer per slice, on one link.
+
+    Data parallelism: bucket i is ready when its slice of backward is done, and the last
+    bucket has no backward left to hide behind. ZeRO-3: unit i+1 is gathered (prefetched)
+    while unit i computes, and the first gather has nothing before it. Either way one
+    transfer always shows, and each of the other k - 1 shows what it takes beyond its
+    slice; the backlog only grows, so the total is c + (k - 1) max(0, c - t/k).
+    """
+    return c + (k - 1) * max(0.0, c - t / k)
+
+
+def step_time(cfg: GPTConfig, strategy: str, n: int, hw: Hardware, micro_batch: int = 8,
+              seq_len: int | None = None, elem_bytes: int = 2, bucket_MB: float = 25.0) -> dict:
+    """Predicted seconds of one step on each of n GPUs, broken down."""
+    T = seq_len or cfg.block_size
+    compute = flops_per_token(cfg, T) * micro_batch * T / (hw.peak_flops * hw.mfu)
+    fwd, bwd = compute / 3, 2 * compute / 3  # per parameter: 2 FLOPs forward, 4 backward
+    psi = config_num_params(cfg)
+    size = psi * elem_bytes  # the gradients (or parameters) in the wire's dtype
+    if strategy in ("dp", "zero1", "zero2"):
+        # buckets of about bucket_MB, as minidist.ddp.DDP and minidist.zero build them
+        k = max(1, math.ceil(size / (bucket_MB * 2**20)))
+        op = "all_reduce" if strategy == "dp" else "reduce_scatter"
+        c = collective_time(op, size / k, n, hw)
+        comm, exposed = k * c, exposed_time(c, k, bwd * hw.overlap)
+        sent, messages = SENT_FRACTION[op](n) * size, k * MESSAGES[hw.latency][op](n)
+        if strategy != "dp":
+            # The updated shards are all-gathered after the optimizer step and before the
+            # next forward (minidist.zero and DeepSpeed both do): nothing left to hide
+            # behind. Overlapping them with the next forward, as ZeRO-3 does, would hide
+            # most of this.
+            gather = k * collective_time("all_gather", size / k, n, hw)
+            comm, exposed = comm + gather, exposed + gather
+            sent += SENT_FRACTION["all_gather"](n) * size
+            messages += k * MESSAGES[hw.latency]["all_gather"](n)
+    elif strategy == "zero3":
+        L = cfg.n_layer
+        g = collective_time("all_gather", size / L, n, hw)
+        r = collective_time("reduce_scatter", size / L, n, hw)
+        # forward: L gathers, each prefetched during the block before; backward: each
+        # block is gathered again, and its gradients reduce-scattered once it is done
+        comm = L * (2 * g + r)
+        exposed = exposed_time(g, L, fwd * hw.overlap) + exposed_time(g + r, L, bwd * hw.overlap)
+        sent = (2 * SENT_FRACTION["all_gather"](n) + SENT_FRACTION["reduce_scatter"](n)) * size
+        messages = L * (2 * MESSAGES[hw.latency]["all_gather"](n) + MESSAGES[hw.latency]["reduce_scatter"](n))
+    else:
+        raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    step = compute + exposed
+    return dict(compute_s=compute, comm_s=comm, exposed_s=exposed, step_s=step,
+                efficiency=compute / step, bytes_sent=sent, messages=messages,
+                tokens_per_gpu=micro_batch * T)
+
+
+def model_state_bytes(psi: float, n: int, stage: int, k: int = 12) -> float:
+    """The ZeRO paper's model states per GPU (Rajbhandari et al., 2020, figure 1): 2 bytes
+    of 16-bit parameters, 2 of 16-bit gradients and K of optimizer state per parameter
+    (K = 12: fp32 master weights and Adam's two moments), stage s sharding the first s
+    of: optimizer state, gradients, parameters. (minidist.bench_zero.formula_bytes is the
+    same formula with fp32 defaults; a benchmark module, so not imported here.)"""
+    params, grads, state = 2 * psi, 2 * psi, k * psi
+    if stage >= 1:
+        state /= n
+    if stage >= 2:
+        grads /= n
+    if stage >= 3:
+        params /= n
+    return params + grads + state
+
+
+def activation_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int | None = None) -> float:
+    """Activations kept for backward, 16-bit, no recomputation. Korthikanti et al. (2022)
+    count s b h (34 + 5 a s / h) bytes per layer; flash attention keeps no s x s scores,
+    which removes the second term. Plus the logits: bf16, and the fp32 copy the loss takes
+    (model.GPT.forward calls .float())."""
+    T = seq_len or cfg.block_size
+    tokens = micro_batch * T
+    return 34 * tokens * cfg.n_embd * cfg.n_layer + tokens * cfg.vocab_size * (2 + 4)
+
+
+def memory_per_gpu(cfg: GPTConfig, strategy: str, n: int, micro_batch: int = 8) -> dict:
+    psi = config_num_params(cfg)
+    stage = STRATEGIES.index(strategy)
+    state = model_state_bytes(psi, n, stage)
+    # ZeRO-3 holds full 16-bit copies of the unit it runs and the one it prefetches
+    working = 2 * (2 * psi / cfg.n_layer) if stage == 3 and n > 1 else 0.0
+    total = state + activation_bytes(cfg, micro_batch) + working
+    return dict(state_GB=state / GB, total_GB=total / GB,
+                **{f"fits_{int(m)}GB": total <= m * GB for m in MEMORY_LIMITS_GB})
+
+
+def predict(cfg: GPTConfig, strategy: str, n: int, hw: Hardware, micro_batch: int = 8) -> dict:
+    return {**step_time(cfg, strategy, n, hw, micro_batch), **memory_per_gpu(cfg, strategy, n, micro_batch)}
+
+
+# ------------------------------------------------------------ this machine, measured
+
+def hardware_from_fit(fit: dict, n: int, peak_flops: float = 1.0, overlap: float = 0.0) -> Hardware:
+    """A one-node 'cluster' whose links are the alpha and beta that
+    minidist.bench.fit_alpha_beta measured here (bench_out/collectives.json). Overlap is
+    0 by default: on a CPU, communication and compute compete for the same cores."""
+    bw = 1 / fit["beta_s_per_byte"] / GB
+    return Hardware(name=f"this machine, gloo, N={n}", peak_flops=peak_flops, mfu=1.0,
+                    gpus_per_node=n, intra_GBps=bw, intra_alpha_s=fit["alpha_s"],
+                    inter_GBps=bw, inter_alpha_s=fit["alpha_s"], overlap=overlap)
+
+
+def _load(path: Path):
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def compare_with_measured(out: Path) -> list[dict]:
+    """The model with this machine's alpha and beta against what the other benchmarks
+    measured here, where their JSON is in `out`. Only differences of step time are
+    compared: compute is taken from the measurement itself (a CPU has no agreed peak).
+
+    - ddp.json: the communication data parallelism exposes on train_gpt's CPU model at
+      N = 2 in 1 MB buckets, without overlap (step minus the step that sends nothing),
+      and with it, where the model's perfect overlap says what it hopes for.
+    - zero.json: each ZeRO stage's step time over stage 0's, per N, fp32 on the wire.
+      bench zero times torch's gloo collectives while alpha and beta were fitted on
+      minidist's rings, and gloo's reduce-scatter sends an all-reduce's bytes (chapter
+      02): expect the model to under-predict stages 2 and 3 a little.
+    """
+    fits = (_load(out / "collectives.json") or {}).get("alpha_beta")
+    if not fits:
+        return []
+    from minidist.model import PRESETS
+    tiny = GPTConfig(**PRESETS["tiny"], vocab_size=2048)  # what bench ddp and zero train
+    psi, rows = config_num_params(tiny), []
+    ddp = _load(out / "ddp.json")
+    if ddp and "2" in fits:
+        t, hw = ddp["step_s"], hardware_from_fit(fits["2"], 2)
+        k = math.ceil(4 * psi / 2**20)  # 1 MB buckets of fp32 gradients
+        c = collective_time("all_reduce", 4 * psi / k, 2, hw)
+        bwd = 2 / 3 * t["no_comm"]
+        rows.append(dict(what="DDP exposed comm, N=2, no overlap (ms)", measured=1e3 * (t["bucketed:1:no_overlap"] - t["no_comm"]),
+                         model=1e3 * k * c))
+        rows.append(dict(what="DDP exposed comm, N=2, overlap (ms)", measured=1e3 * (t["bucketed:1"] - t["no_comm"]),
+                         model=1e3 * exposed_time(c, k, bwd)))
+    zero = _load(out / "zero.json")
+    for n, run in (zero or {}).get("runs", {}).items():
+        if n not in fits or set(run["step_s"]) < {"stage0", "stage1", "stage2", "stage3"}:
+            continue
+        hw = hardware_from_fit(fits[n], int(n))
+        cfg = GPTConfig(**zero["config"])
+        comm = {s: step_time(cfg, s, int(n), hw, elem_bytes=4)["exposed_s"] for s in STRATEGIES}
+        compute = run["step_s"]["stage0"] - comm["dp"]
+        for i, s in enumerate(STRATEGIES[1:], 1):
+            rows.append(dict(what=f"ZeRO-{i} step / stage 0, N={n}",
+                             measured=run["step_s"][f"stage{i}"] / run["step_s"]["stage0"],
+                             model=(compute + comm[s]) / (compute + comm["dp"])))
+    return rows
+
+
+def scan(models: dict, ns: list[int], hw: Hardware, micro_batch: int = 8) -> list[dict]:
+    """Every model x N x strategy, with the tree-latency efficiency beside the ring's."""
+    tree = replace(hw, latency="tree")
+    rows = []
+    for label, cfg in models.items():
+        for n in ns:
+            for s in STRATEGIES:
+                p = predict(cfg, s, n, hw, micro_batch)
+                rows.append(dict(model=label, params=config_num_params(cfg), n=n, strategy=s, **p,
+                                 efficiency_tree=step_time(cfg, s, n, tree, micro_batch)["efficiency"]))
+    return rows
