@@ -19,7 +19,9 @@ from minidist.model import GPT, GPTConfig
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seq-len", "16", "--batch-size", "8",
         "--steps", "6", "--warmup-steps", "2", "--eval-interval", "100", "--log-interval", "1",
-        "--final-eval-windows", "2", "--sample-tokens", "2", "--checkpoint-every", "2"]
+        "--final-eval-windows", "2", "--sample-tokens", "2", "--checkpoint-every", "2",
+        # ZeRO-2 shards and fp16's loss scale (growing every 2 steps) are state to restore too
+        "--zero-stage", "2", "--precision", "fp16", "--loss-scale-growth-interval", "2"]
 
 
 def _torchrun(out, *extra, restarts=0, fault=None):
@@ -40,6 +42,9 @@ def test_killed_rank_and_killed_save_resume_exactly(tmp_path):
     assert r.returncode == 0, r.stderr
     whole, whole_losses = _final(tmp_path / "whole")
     assert len(whole_losses) == 6
+    scales = [r["loss_scale"] for r in map(json.loads, (tmp_path / "whole" / "metrics.jsonl")
+                                           .read_text().splitlines()) if "loss_scale" in r]
+    assert len(set(scales)) > 1  # the scale moved, so resuming it matters
 
     # rank 1 is SIGKILLed after step 3; torchrun restarts both ranks; they resume from step 2
     r = _torchrun(tmp_path / "killed", "--resume", "auto", restarts=1, fault="kill:step:3:1")
