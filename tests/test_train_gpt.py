@@ -70,6 +70,7 @@ def test_torchrun_end_to_end(tmp_path):
     (["--tokenizer", "sentencepiece"], "unknown tokenizer"),
     (["--warmup-steps", "50", "--steps", "10"], "--warmup-steps must be in"),
     (["--data", "/nonexistent/*.bin", "--val-data", "/nonexistent/*.bin"], "no token shards"),
+    (["--resume", "/nonexistent/step_00000010"], "not a complete minidist checkpoint"),
 ])
 def test_bad_flags_fail_fast_under_torchrun(extra, message):
     r = run(["torchrun", "--standalone", "--nproc_per_node=2", "minidist/train_gpt.py",
