@@ -3,14 +3,13 @@
 
     torchrun --standalone --nproc_per_node=4 minidist/train_gpt.py --zero-stage 2 --checkpoint-every 50
     torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --zero-stage 3 --resume auto
-    python -m minidist.checkpoint out/checkpoints/step_00000100      # what a checkpoint holds
-    pytest tests/test_checkpoint.py
+    python -m minidist.checkpoint out/checkpoints      # what the newest checkpoint holds
 
-A checkpoint is a folder, out/checkpoints/step_00000100/, holding one file per rank that
-saved it and a meta.json. Every rank writes only what it holds and nobody else does: its
-ZeRO shard of the optimizer state (and, at stage 3, of the parameters), the momentum of
-the matrices it owns under Muon, and its share of whatever is replicated (parameter i is
-written by rank i mod N). No rank gathers the whole model, which at scale would not fit.
+A checkpoint is a folder, out/checkpoints/step_00000100/: one file per rank that saved it,
+and a meta.json. Each rank writes only what it holds and nobody else does: its ZeRO shard
+of the optimizer state (at stage 3, of the parameters too), the momentum of the matrices
+it owns under Muon, its share of what is replicated (parameter i: rank i mod N). No rank
+gathers the whole model, which at scale would not fit.
 
 What makes it independent of the world size is how a piece is named: not "rank 3's
 shard" but "elements [start, start + n) of the flattened tensor KEY", where KEY is a
@@ -20,10 +19,9 @@ which elements of which keys it now holds, and copies them from whichever pieces
 them, whatever N and whichever ZeRO stage wrote them. The files are memory-mapped, so a
 rank reads only the bytes it needs.
 
-Atomic: the ranks write into a hidden folder; once all have written (a barrier), rank 0
-writes meta.json and renames the folder into place. A rename is atomic, so a kill at any
-moment leaves either the new checkpoint whole or no trace of it (the previous ones stay).
-Ranks on several nodes need the folder on a file system they all share.
+Atomic: the ranks write into a hidden folder; once all have (a barrier), rank 0 writes
+meta.json and renames the folder into place. A rename is atomic, so a kill at any moment
+leaves the new checkpoint whole or no trace of it. Several nodes need a shared folder.
 
 Exact resume also needs the step (the data and the learning-rate schedule are functions
 of it), the loss scaler, each rank's RNG state, and the caller's `extra` (train_gpt: its
@@ -33,6 +31,7 @@ settings and its log rows).
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -44,17 +43,21 @@ import torch.distributed as dist
 
 from minidist.faults import inject_fault
 
-FORMAT = 1
-
-
 def _world() -> tuple[int, int]:
     on = dist.is_available() and dist.is_initialized()
     return (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
 
 
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+def _barrier(failed: str | None = None) -> str | None:
+    """A barrier that also tells every rank whether one failed, and which: a rank that
+    cannot write its shard must not leave the others waiting until the timeout."""
+    rank, world = _world()
+    if world == 1:
+        return failed
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
+    flag = torch.tensor([rank if failed else world], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # the lowest failed rank, or world: none
+    return failed or (f"rank {int(flag)} failed" if int(flag) < world else None)
 
 
 # ---- what a rank holds: slots -------------------------------------------------------
@@ -101,22 +104,18 @@ def _holders(opt, names: dict, rank: int, world: int):
 
 
 def _model_slots(model, optimizers, names, rank, world) -> list[Slot]:
+    """The parameters (sharded under ZeRO-3, else replicated) and persistent buffers."""
+    persistent = set(model.state_dict())
+    buffers = [(n, b) for n, b in model.named_buffers() if n in persistent]
+    slots = [Slot(f"model/{n}", tuple(b.shape), 0, b.view(-1), i % world == rank)
+             for i, (n, b) in enumerate(buffers)]
     fsdp = next((o for o in optimizers if getattr(o, "stage", 0) == 3), None)
     if fsdp is not None:  # ZeRO-3: the parameters exist only as shards
-        return [Slot(f"model/{name}", shape, start, u.shard[a - u.lo:b - u.lo])
-                for u in fsdp.units
-                for name, shape, start, a, b in _pieces_of(u, u.lo, u.hi, names)]
-    return [Slot(f"model/{names[id(p)]}", tuple(p.shape), 0, p.detach().view(-1), i % world == rank)
-            for i, p in enumerate(_unique_params(model))]
-
-
-def _unique_params(model) -> list:
-    seen, out = set(), []
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
+        return slots + [Slot(f"model/{name}", shape, start, u.shard[a - u.lo:b - u.lo])
+                        for u in fsdp.units
+                        for name, shape, start, a, b in _pieces_of(u, u.lo, u.hi, names)]
+    return slots + [Slot(f"model/{names[id(p)]}", tuple(p.shape), 0, p.detach().view(-1),
+                         i % world == rank) for i, p in enumerate({id(p): p for p in model.parameters()}.values())]
 
 
 def _names(model) -> dict:
@@ -159,15 +158,21 @@ def save(root, step: int, model, optimizers, scaler=None, extra: dict | None = N
                     pieces.append((key, shape, start, flat.detach().cpu().clone()))  # clone: only these bytes
                 else:
                     scalars[key] = v.detach().cpu().clone() if torch.is_tensor(v) else v
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        rng["cuda"] = torch.cuda.get_rng_state()
+    rng = {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()}
+                                            if torch.cuda.is_initialized() else {})}
     shard = {"pieces": pieces, "scalars": scalars, "rng": rng, "rank": rank}
-    _atomic_write(tmp / f"shard_{rank:05d}_of_{world:05d}.pt", lambda f: torch.save(shard, f))
+    try:
+        _atomic_write(tmp / f"shard_{rank:05d}_of_{world:05d}.pt", lambda f: torch.save(shard, f))
+        error = None
+    except OSError as e:  # a full disk, a lost mount: every rank must hear of it
+        error = f"rank {rank}: {e}"
     inject_fault("save", step, rank)
-    _barrier()  # every shard is on disk
+    error = _barrier(error)  # every shard is on disk, or every rank knows one is not
+    if error:
+        raise RuntimeError(f"checkpoint {final} was not saved ({error}); the previous ones are "
+                           f"untouched. Free space in {root} or choose another folder")
     if rank == 0:
-        meta = {"format": FORMAT, "step": step, "world_size": world,
+        meta = {"format": 1, "step": step, "world_size": world,
                 "optimizers": [{"param_groups": [{k: v for k, v in g.items() if k != "params"}
                                                  for g in o.param_groups]} for o in optimizers],
                 "scaler": scaler.state_dict() if scaler is not None else {},
@@ -190,10 +195,7 @@ def save(root, step: int, model, optimizers, scaler=None, extra: dict | None = N
 def list_checkpoints(root) -> list[Path]:
     """The complete checkpoints under `root`, oldest first (hidden, unfinished ones are
     not listed: a folder named step_* exists only once it is whole)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.glob("step_*") if (p / "meta.json").is_file())
+    return sorted(p for p in Path(root).glob("step_*") if (p / "meta.json").is_file())
 
 
 def latest(root) -> Path | None:
@@ -244,21 +246,17 @@ class Reader:
         """Every key as one full tensor, whatever the sharding it was saved with."""
         out = {}
         for key, shape in self.shapes.items():
-            n = 1
-            for d in shape:
-                n *= d
-            out[key] = self.read(key, 0, n).view(shape)
+            out[key] = self.read(key, 0, math.prod(shape)).view(shape)
         return {**out, **self.scalars}
 
 
 # ---- loading -----------------------------------------------------------------------
 
 def load(path, model, optimizers, scaler=None) -> dict:
-    """Fill `model`, `optimizers` (and `scaler`) from checkpoint `path`, saved with any
-    world size and ZeRO stage; the same kinds of optimizer in the same order. Every
-    mismatch is found before anything is changed. Returns the meta (with "extra").
-    Each rank restores its RNG state if the world size is unchanged; otherwise the
-    caller decides (returned as meta["rng_restored"])."""
+    """Fill `model`, `optimizers` (same kinds, same order) and `scaler` from checkpoint
+    `path`, saved on any world size at any ZeRO stage; every mismatch is found before
+    anything changes. Returns the meta; meta["rng_restored"]: the world size is unchanged,
+    so each rank got its RNG state back (otherwise the caller decides)."""
     rank, world = _world()
     r = Reader(path)
     names = _names(model)
@@ -270,7 +268,7 @@ def load(path, model, optimizers, scaler=None) -> dict:
             problems.append(f"{s.key}: {r.shapes[s.key]} in the checkpoint, {s.shape} here")
         else:
             fills.append((s.tensor, s.key, s.start))
-    wanted = {f"model/{n}" for n in names.values()}
+    wanted = {f"model/{n}" for n in [*names.values(), *model.state_dict()]}
     problems += [f"{k} is in the checkpoint but not in this model"
                  for k in r.shapes if k.startswith("model/") and k not in wanted]
     if len(r.meta["optimizers"]) != len(optimizers):
@@ -318,9 +316,10 @@ def load(path, model, optimizers, scaler=None) -> dict:
 def main(argv=None) -> None:
     """python -m minidist.checkpoint PATH: what a checkpoint holds."""
     path = Path((argv or sys.argv[1:] or ["."])[0])
-    if not (path / "meta.json").exists():  # a folder of checkpoints: the newest
-        path = latest(path) or path
-    r = Reader(path)
+    try:
+        r = Reader(path if (path / "meta.json").exists() else latest(path) or path)  # or the newest
+    except FileNotFoundError as e:
+        sys.exit(str(e))
     print(f"{r.path}: step {r.meta['step']}, saved by {r.meta['world_size']} rank(s)")
     for key, shape in sorted(r.shapes.items()):
         print(f"  {key:60s} {str(list(shape)):>14s}  in {len(r.pieces[key])} piece(s)")

@@ -92,3 +92,35 @@ def test_reshard_between_world_sizes_and_stages(tmp_path, optimizer):
         torch.testing.assert_close(saved[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
     for name, p in one4["params"].items():  # and the resumed run continues as one process does
         torch.testing.assert_close(c["params"][name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _buffers_and_a_failed_write(root):
+    """A model with a persistent buffer round-trips; then rank 1's write fails."""
+    torch.manual_seed(dist.get_rank())  # different on each rank: only rank i mod N's copy is saved
+    model = torch.nn.Linear(3, 2)
+    model.register_buffer("count", torch.arange(4.0) + 10)
+    checkpoint.save(root, 1, model, [])
+    fresh = torch.nn.Linear(3, 2)
+    fresh.register_buffer("count", torch.zeros(4))
+    checkpoint.load(root + "/step_00000001", fresh, [])
+    ok = torch.equal(fresh.count, torch.arange(4.0) + 10)
+    same = [torch.zeros(2, 3) for _ in range(2)]
+    dist.all_gather(same, fresh.weight.detach().contiguous())
+    if dist.get_rank() == 1:  # the disk fills up on rank 1
+        def full(*a, **k):
+            raise OSError(28, "No space left on device")
+        torch.save = full
+    try:
+        checkpoint.save(root, 2, model, [])
+    except RuntimeError as e:
+        return ok, torch.equal(same[0], same[1]), str(e)
+    return ok, torch.equal(same[0], same[1]), None
+
+
+def test_buffers_are_saved_and_a_failed_write_fails_every_rank(tmp_path):
+    results = launch(_buffers_and_a_failed_write, 2, str(tmp_path), timeout_s=60)
+    for ok, same, error in results:  # every rank, not just the one whose disk filled up
+        assert ok and same
+        assert error and "step_00000002 was not saved (rank 1" in error, error
+    assert "(rank 1: [Errno 28] No space left on device)" in results[1][2]  # and why, where it happened
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step_00000001"]
