@@ -39,26 +39,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
+from minidist.dist import barrier_or_failure, rank_and_world
 from minidist.faults import inject_fault
-
-def _world() -> tuple[int, int]:
-    on = dist.is_available() and dist.is_initialized()
-    return (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
-
-
-def _barrier(failed: str | None = None) -> str | None:
-    """A barrier that also tells every rank whether one failed, and which: a rank that
-    cannot write its shard must not leave the others waiting until the timeout."""
-    rank, world = _world()
-    if world == 1:
-        return failed
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
-    flag = torch.tensor([rank if failed else world], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # the lowest failed rank, or world: none
-    return failed or (f"rank {int(flag)} failed" if int(flag) < world else None)
-
 
 # ---- what a rank holds: slots -------------------------------------------------------
 
@@ -83,6 +66,16 @@ def _pieces_of(unit, lo: int, hi: int, names: dict):
         offset += p.numel()
 
 
+def _writers(tensors: list, world: int) -> list[int]:
+    """Which rank saves each replicated tensor: largest first, each to the rank with the
+    fewest bytes so far, so that the files come out about the same size."""
+    load, out = [0] * world, [0] * len(tensors)
+    for i in sorted(range(len(tensors)), key=lambda i: (-tensors[i].numel(), i)):
+        out[i] = min(range(world), key=lambda r: (load[r], r))
+        load[out[i]] += tensors[i].numel() * tensors[i].element_size()
+    return out
+
+
 def _holders(opt, names: dict, rank: int, world: int):
     """(name, shape, start, holder, cut, write) for each range of a parameter's elements
     whose optimizer state lives in `holder` (a parameter, or a ZeRO shard view) on this
@@ -96,9 +89,9 @@ def _holders(opt, names: dict, rank: int, world: int):
         return
     owners = opt.owners() if hasattr(opt, "owners") else None  # Muon: its owner holds it
     params = [p for g in opt.param_groups for p in g["params"]]
-    for i, p in enumerate(params):
-        if owners is None:  # replicated: every rank has it, rank i mod N writes it
-            yield names[id(p)], tuple(p.shape), 0, p, None, i % world == rank
+    for p, writer in zip(params, _writers(params, world)):
+        if owners is None:  # replicated: every rank has it, one writes it
+            yield names[id(p)], tuple(p.shape), 0, p, None, writer == rank
         elif owners[id(p)] == rank:
             yield names[id(p)], tuple(p.shape), 0, p, None, True
 
@@ -107,15 +100,16 @@ def _model_slots(model, optimizers, names, rank, world) -> list[Slot]:
     """The parameters (sharded under ZeRO-3, else replicated) and persistent buffers."""
     persistent = set(model.state_dict())
     buffers = [(n, b) for n, b in model.named_buffers() if n in persistent]
-    slots = [Slot(f"model/{n}", tuple(b.shape), 0, b.view(-1), i % world == rank)
-             for i, (n, b) in enumerate(buffers)]
+    slots = [Slot(f"model/{n}", tuple(b.shape), 0, b.view(-1), w == rank)
+             for (n, b), w in zip(buffers, _writers([b for _, b in buffers], world))]
     fsdp = next((o for o in optimizers if getattr(o, "stage", 0) == 3), None)
     if fsdp is not None:  # ZeRO-3: the parameters exist only as shards
         return slots + [Slot(f"model/{name}", shape, start, u.shard[a - u.lo:b - u.lo])
                         for u in fsdp.units
                         for name, shape, start, a, b in _pieces_of(u, u.lo, u.hi, names)]
-    return slots + [Slot(f"model/{names[id(p)]}", tuple(p.shape), 0, p.detach().view(-1),
-                         i % world == rank) for i, p in enumerate({id(p): p for p in model.parameters()}.values())]
+    params = list({id(p): p for p in model.parameters()}.values())  # a tied one once
+    return slots + [Slot(f"model/{names[id(p)]}", tuple(p.shape), 0, p.detach().view(-1), w == rank)
+                    for p, w in zip(params, _writers(params, world))]
 
 
 def _names(model) -> dict:
@@ -128,20 +122,29 @@ def _atomic_write(path: Path, write) -> None:
     """write(tmp_path), then rename over `path`: a reader sees the old file or the new one."""
     tmp = path.with_name(f".{path.name}.partial")
     write(tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+    _fsync(tmp)
     os.replace(tmp, path)
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file, or a folder's entries (its renames), to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def save(root, step: int, model, optimizers, scaler=None, extra: dict | None = None,
          keep: int = 2) -> Path:
     """Write `root`/step_<step>/ (a collective: every rank calls it); keep the newest `keep`."""
-    rank, world, root = *_world(), Path(root)
+    rank, world, root = *rank_and_world(), Path(root)
     final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+        for junk in root.glob(".*_step_*"):  # left by a save that was killed
+            shutil.rmtree(junk, ignore_errors=True)
         tmp.mkdir(parents=True)
-    _barrier()
+    barrier_or_failure()
     names = _names(model)
     pieces, scalars = [], {}
     for s in _model_slots(model, optimizers, names, rank, world):
@@ -164,10 +167,10 @@ def save(root, step: int, model, optimizers, scaler=None, extra: dict | None = N
     try:
         _atomic_write(tmp / f"shard_{rank:05d}_of_{world:05d}.pt", lambda f: torch.save(shard, f))
         error = None
-    except OSError as e:  # a full disk, a lost mount: every rank must hear of it
+    except Exception as e:  # a full disk, a lost mount, no shared folder: all must hear of it
         error = f"rank {rank}: {e}"
     inject_fault("save", step, rank)
-    error = _barrier(error)  # every shard is on disk, or every rank knows one is not
+    error = barrier_or_failure(error)  # every shard is on disk, or every rank knows one is not
     if error:
         raise RuntimeError(f"checkpoint {final} was not saved ({error}); the previous ones are "
                            f"untouched. Free space in {root} or choose another folder")
@@ -184,9 +187,10 @@ def save(root, step: int, model, optimizers, scaler=None, extra: dict | None = N
             os.replace(final, old)
             shutil.rmtree(old)
         os.replace(tmp, final)  # the moment the checkpoint exists, whole
+        _fsync(root)  # the rename itself survives a power cut, not only a killed process
         for stale in list_checkpoints(root)[:-keep] if keep > 0 else []:
             shutil.rmtree(stale, ignore_errors=True)
-    _barrier()
+    barrier_or_failure()
     return final
 
 
@@ -231,33 +235,29 @@ class Reader:
     def read(self, key: str, start: int, n: int) -> torch.Tensor:
         """Elements [start, start + n) of the flattened tensor `key`."""
         out = torch.empty(n, dtype=self.pieces[key][0][1].dtype)
-        covered = 0
+        have = torch.zeros(n, dtype=torch.bool)  # which elements some piece supplied
         for s, t in self.pieces[key]:
             a, b = max(start, s), min(start + n, s + t.numel())
             if a < b:
                 out[a - start:b - start] = t[a - s:b - s]
-                covered += b - a
-        if covered != n:
+                have[a - start:b - start] = True
+        if not bool(have.all()):
             raise ValueError(f"{self.path}: elements [{start}, {start + n}) of {key} are not all "
-                             f"in the checkpoint ({covered} of {n} found): it is damaged")
+                             f"in the checkpoint ({int(have.sum())} of {n} found): it is damaged")
         return out
 
     def consolidated(self) -> dict[str, torch.Tensor]:
         """Every key as one full tensor, whatever the sharding it was saved with."""
-        out = {}
-        for key, shape in self.shapes.items():
-            out[key] = self.read(key, 0, math.prod(shape)).view(shape)
+        out = {k: self.read(k, 0, math.prod(shape)).view(shape) for k, shape in self.shapes.items()}
         return {**out, **self.scalars}
 
-
-# ---- loading -----------------------------------------------------------------------
 
 def load(path, model, optimizers, scaler=None) -> dict:
     """Fill `model`, `optimizers` (same kinds, same order) and `scaler` from checkpoint
     `path`, saved on any world size at any ZeRO stage; every mismatch is found before
     anything changes. Returns the meta; meta["rng_restored"]: the world size is unchanged,
     so each rank got its RNG state back (otherwise the caller decides)."""
-    rank, world = _world()
+    rank, world = rank_and_world()
     r = Reader(path)
     names = _names(model)
     fills, problems = [], []  # (destination 1-D tensor, key, start), checked first

@@ -119,6 +119,25 @@ def cleanup() -> None:
 
 # ---------------------------------------------------------------------------- launch
 
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of the default group; (0, 1) when there is none."""
+    on = dist.is_available() and dist.is_initialized()
+    return (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
+
+
+def barrier_or_failure(failed: str | None = None) -> str | None:
+    """A barrier that also tells every rank whether one of them failed, and which (pass
+    what went wrong here, or None): a rank that cannot do its part, say write its shard
+    of a checkpoint, must not leave the others waiting for it until the timeout."""
+    rank, world = rank_and_world()
+    if world == 1:
+        return failed
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
+    flag = torch.tensor([rank if failed else world], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # the lowest failed rank, or world: none
+    return failed or (f"rank {int(flag)} failed" if int(flag) < world else None)
+
+
 class LaunchError(RuntimeError):
     """A launched process failed in a way that could not be re-raised as itself."""
 
