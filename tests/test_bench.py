@@ -35,6 +35,22 @@ def test_alpha_beta_fit_recovers_a_known_model():
     assert abs(fit["bandwidth_GBps"] - 2.0) < 1e-6
 
 
+def test_alpha_beta_fit_never_goes_negative():
+    """Timings whose straight-line fit would have a negative latency (noise on a loaded
+    machine does that): the fit is the best one with alpha = 0, beta = sum(x t) / sum(x x)."""
+    rows, xs, ts = [], [], []
+    for op, (f, steps) in bench.RING.items():
+        for S in (1 << 10, 1 << 16, 1 << 22):
+            t = f(2) * S / 2e9 + (0 if S > 1 << 10 else -1e-6) + 1e-9
+            rows.append({"op": op, "world_size": 2, "bytes": S, "ours_s": t})
+            xs.append(f(2) * S)
+            ts.append(t)
+    fit = bench.fit_alpha_beta(rows)
+    beta = sum(x * t for x, t in zip(xs, ts)) / sum(x * x for x in xs)
+    assert fit["alpha_s"] == 0.0
+    assert abs(fit["beta_s_per_byte"] - beta) / beta < 1e-9
+
+
 def test_muon_benchmark_quick(tmp_path):
     r = run([sys.executable, "-m", "minidist.bench", "muon", "--quick", "--world-sizes", "2",
              "--out", str(tmp_path)], timeout=600)
