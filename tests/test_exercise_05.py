@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from exercises import checks_05 as C5
 from exercises import grade as G
+from grading_helpers import assert_keys_name_each_check_once, failed_checks
 
 
 # -- 0. a plain solution, written the way the exercise asks; the mistakes change one piece
@@ -195,14 +196,11 @@ MISTAKES5 = {
 
 
 def _failed(result):
-    failed = {c.name: c.message for c in result.checks if not c.ok}
-    return {k for k, v in CHECK5.items() if any(v in name for name in failed)}, failed
+    return failed_checks(result, CHECK5)
 
 
 def test_05_check_keys_name_each_check_once():
-    names = [c.name for c in G.checks_of("05")]
-    assert all(sum(v in n for n in names) == 1 for v in CHECK5.values()), names
-    assert len(names) == len(CHECK5)
+    assert_keys_name_each_check_once("05", CHECK5)
 
 
 @pytest.mark.parametrize("mistake", list(MISTAKES5))

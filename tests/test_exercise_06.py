@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from exercises import checks_06 as C6
 from exercises import grade as G
+from grading_helpers import assert_keys_name_each_check_once, failed_checks
 from minidist import comm
 
 E6 = importlib.import_module("exercises.06_zero")  # its name starts with a digit
@@ -230,14 +231,11 @@ def _grade(label, shared, monkeypatch):
 
 
 def _failed(result):
-    failed = {c.name: c.message for c in result.checks if not c.ok}
-    return {k for k, v in CHECK6.items() if any(v in name for name in failed)}, failed
+    return failed_checks(result, CHECK6)
 
 
 def test_06_check_keys_name_each_check_once():
-    names = [c.name for c in G.checks_of("06")]
-    assert all(sum(v in n for n in names) == 1 for v in CHECK6.values()), names
-    assert len(names) == len(CHECK6)
+    assert_keys_name_each_check_once("06", CHECK6)
 
 
 def test_06_a_plain_solution_scores_full(shared, monkeypatch):

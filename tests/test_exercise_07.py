@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from exercises import checks_07 as C7
 from exercises import grade as G
+from grading_helpers import assert_keys_name_each_check_once, failed_checks, message_of
 from minidist.muon import Muon as ReferenceMuon
 from minidist.muon import newton_schulz as reference_ns
 
@@ -176,18 +177,15 @@ MUON_MISTAKES = {
 
 
 def _failed(result):
-    failed = {c.name: c.message for c in result.checks if not c.ok}
-    return {k for k, v in CHECK7.items() if any(v in name for name in failed)}, failed
+    return failed_checks(result, CHECK7)
 
 
 def _message(messages, key):
-    return next(m for name, m in messages.items() if CHECK7[key] in name)
+    return message_of(messages, CHECK7, key)
 
 
 def test_07_check_keys_name_each_check_once():
-    names = [c.name for c in G.checks_of("07")]
-    assert all(sum(v in n for n in names) == 1 for v in CHECK7.values()), names
-    assert len(names) == len(CHECK7)
+    assert_keys_name_each_check_once("07", CHECK7)
 
 
 NS_CHECKS = {"singular", "tall", "batched", "dtype", "zeros", "bits"}

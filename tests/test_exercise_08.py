@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from exercises import checks_08 as C8
 from exercises import grade as G
+from grading_helpers import assert_keys_name_each_check_once, failed_checks, message_of
 
 E8 = importlib.import_module("exercises.08_at_scale")  # its name starts with a digit
 
@@ -197,18 +198,15 @@ def _grade(label, shared, monkeypatch):
 
 
 def _failed(result):
-    failed = {c.name: c.message for c in result.checks if not c.ok}
-    return {k for k, v in CHECK8.items() if any(v in name for name in failed)}, failed
+    return failed_checks(result, CHECK8)
 
 
 def _message(messages, key):
-    return next(m for name, m in messages.items() if CHECK8[key] in name)
+    return message_of(messages, CHECK8, key)
 
 
 def test_08_check_keys_name_each_check_once():
-    names = [c.name for c in G.checks_of("08")]
-    assert all(sum(v in n for n in names) == 1 for v in CHECK8.values()), names
-    assert len(names) == len(CHECK8)
+    assert_keys_name_each_check_once("08", CHECK8)
 
 
 def test_08_a_plain_solution_scores_full(shared, monkeypatch):
