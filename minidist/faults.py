@@ -83,8 +83,7 @@ class _Tracer:
         self.store = dist.distributed_c10d._get_default_store()  # the rendezvous store
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.timeout, self.seq = timedelta(seconds=timeout_s), 0
-        # a torchrun restart keeps the store: each attempt writes under its own prefix
-        self.prefix = f"minidist_trace/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        self.prefix = "minidist_trace"  # (under torchrun, minidist.dist prefixes each attempt's store)
         self.history: list[str] = []  # this rank's collectives so far (also for debugging)
 
     def _entry(self, rank: int, seq: int) -> str:
