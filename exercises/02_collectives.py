@@ -44,7 +44,7 @@ marks look like with `python -m exercises.grade 02 --reference`, which grades mi
 own implementations (named in REFERENCE below) instead of yours.
 
 To experiment, run a function of your own on several processes with
-`minidist.dist.launch(fn, 3, *args)`: it returns each rank's return value and re-raises
+`minidist.launch.launch(fn, 3, *args)`: it returns each rank's return value and re-raises
 a rank's exception here, with "[rank r of 3]" in front. (In a script, call it under
 `if __name__ == "__main__":`: each new process imports the script again.)
 """

@@ -98,7 +98,7 @@ implementation (named in REFERENCE below) instead of yours. A rank that waits mo
 20 seconds for the others (a hang) fails its check.
 
 To experiment, run a function of your own on several processes with
-`minidist.dist.launch(fn, 2, *args)`: it returns each rank's return value and re-raises
+`minidist.launch.launch(fn, 2, *args)`: it returns each rank's return value and re-raises
 a rank's exception here, with "[rank r of 2]" in front.
 """
 

@@ -93,7 +93,7 @@ minidist's own implementations (named in REFERENCE below) instead of yours. A ra
 waits more than 20 seconds for the others (a hang) fails its check.
 
 To experiment, run a function of your own on several processes with
-`minidist.dist.launch(fn, 2, *args)`: it returns each rank's return value and re-raises a
+`minidist.launch.launch(fn, 2, *args)`: it returns each rank's return value and re-raises a
 rank's exception here, with "[rank r of 2]" in front. torch.optim.Muon is the
 single-process oracle: `torch.optim.Muon(params, lr=..., weight_decay=..., momentum=...,
 nesterov=..., ns_steps=..., adjust_lr_fn=...)` (pass them all: its defaults differ).

@@ -105,7 +105,7 @@ REFERENCE below) instead of yours. A rank that waits more than 20 seconds for th
 others (a hang) fails its check.
 
 To experiment, run a function of your own on several processes with
-`minidist.dist.launch(fn, 2, *args)`: it returns each rank's return value and re-raises a
+`minidist.launch.launch(fn, 2, *args)`: it returns each rank's return value and re-raises a
 rank's exception here, with "[rank r of 2]" in front.
 """
 

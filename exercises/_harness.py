@@ -1,4 +1,4 @@
-"""Run graded parts of an exercise in processes started by minidist.dist.launch.
+"""Run graded parts of an exercise in processes started by minidist.launch.launch.
 
 Multi-process checks (exercises 03, 04) share this: starting processes is the slow part
 (seconds per launch on a small CPU), so one launch per world size runs every "part" (a
@@ -26,7 +26,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from minidist.dist import LaunchError, launch
+from minidist.launch import LaunchError, launch
 
 
 class PartFailed(RuntimeError):

@@ -1,7 +1,7 @@
 """Graded checks of exercise 02 (exercises/02_collectives.py), registered with exercises.grade.
 
 The functions under test run where they must: in 2, 3 and 4 processes started by
-minidist.dist.launch, with a gloo process group. The oracle is torch.distributed's own
+minidist.launch.launch, with a gloo process group. The oracle is torch.distributed's own
 all_reduce and all_gather on the same data; only the grader calls them.
 
 Starting processes is the slow part (seconds per launch on a small CPU), so one launch
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from exercises._harness import per_world_size
 from exercises.grade import check
 from minidist import comm
-from minidist.dist import LaunchError, launch
+from minidist.launch import LaunchError, launch
 
 WORLD_SIZES = (2, 3, 4)
 # A part still running after TIMEOUT_S hangs (a deadlock, an endless loop): the rank is

@@ -2,7 +2,7 @@
 
 make_buckets is checked here, in one process, against the bucketing rule written out
 below. BucketedDDP runs where it must: in 2 and 3 processes started by
-minidist.dist.launch (gloo), one launch per world size for every part (see
+minidist.launch.launch (gloo), one launch per world size for every part (see
 exercises/_harness.py). Its oracle is one process training the same model on the whole
 batch, computed on every rank alongside, step by step. While the wrapper runs, the grader
 records from the outside what it does: every all-reduce (patched on the ProcessGroup, the

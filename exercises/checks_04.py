@@ -1,6 +1,6 @@
 """Graded checks of exercise 04 (exercises/04_grad_accum.py), registered with exercises.grade.
 
-accumulate() runs where it must: in 1 and 2 processes started by minidist.dist.launch
+accumulate() runs where it must: in 1 and 2 processes started by minidist.launch.launch
 (gloo), one launch per world size for every part (see exercises/_harness.py). The oracle
 is one process computing the mean loss of the whole global batch in one go, `model(x, y)`,
 on every rank alongside. Two wrong gradients are computed too, to say which mistake a

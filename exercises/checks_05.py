@@ -11,7 +11,7 @@ the rule the exercise states, and against that rule written out below (_rule), w
 with hysteresis=1 is GradScaler's (tests/test_exercise_05.py shows it).
 
 The agreement of ranks runs where it must: in 2 processes started by
-minidist.dist.launch (gloo), one launch for the whole check (see exercises/_harness.py);
+minidist.launch.launch (gloo), one launch for the whole check (see exercises/_harness.py);
 each rank injects its own overflows and the others must skip with it.
 """
 

@@ -1,7 +1,7 @@
 """Graded checks of exercise 06 (exercises/06_zero.py), registered with exercises.grade.
 
 The sharded optimizer runs where it must: in 2 and 3 processes started by
-minidist.dist.launch (gloo), one launch per world size for every part (see
+minidist.launch.launch (gloo), one launch per world size for every part (see
 exercises/_harness.py). Each part trains a small GPT (a frozen parameter, an embedding
 tied to the head, three param groups, one of which some ranks hold no element of; n_embd
 20 and vocabulary 61, so that at 3 ranks the units do not divide and get padded) for a

@@ -10,7 +10,7 @@ that says on which side it iterates, and torch's own Newton-Schulz
 Muon in one process is compared with torch.optim.Muon, bit for bit (the same bf16
 arithmetic); a wrong answer is compared with a few classic mistakes, written out here
 (_written_out), to say which one it makes. Distributed Muon runs where it must: in 2 and
-3 processes started by minidist.dist.launch (gloo), one launch per world size for every
+3 processes started by minidist.launch.launch (gloo), one launch per world size for every
 part (see exercises/_harness.py); every rank's parameters after every step are compared
 with torch.optim.Muon's, run here, and every rank reports which momentum it holds.
 """

@@ -7,7 +7,7 @@ when the elements it names hold exactly the codes it claims, and the pieces of a
 together hold every element of every parameter once. read is given pieces cut here from
 known tensors, in shuffled order, with and without gaps.
 
-save and load run where they must: in processes started by minidist.dist.launch (gloo),
+save and load run where they must: in processes started by minidist.launch.launch (gloo),
 one launch per world size for every part (see exercises/_harness.py), sharing one folder
 of checkpoints. A small GPT (AdamW, two param groups, a learning rate that changes every
 step) trains with minidist's ShardedOptimizer: ZeRO-2 on 4 ranks saves at step S; ZeRO-1

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from minidist import comm
-from minidist.dist import launch
+from minidist.launch import launch
 
 # bytes each rank sends, as a fraction of the message size S, and ring steps (messages)
 RING = {  # name: (bus-bandwidth factor f(N), steps(N))
@@ -225,7 +225,7 @@ def _time_ddp(variants, steps, rounds, cfg_kw, per_rank_batch, seq_len):
 
 def ddp(args) -> dict:
     from minidist.model import PRESETS
-    from minidist.train_gpt import AUTO
+    from minidist.flags import AUTO
     cfg_kw = dict(PRESETS["tiny"], vocab_size=2048)  # train_gpt's CPU default model
     world, steps, rounds = 2, 2, 12  # many short rounds: load drifts hit every variant alike
     global_batch, seq_len = AUTO["cpu"]["batch_size"], cfg_kw["block_size"]

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from minidist.dist import launch
+from minidist.launch import launch
 from minidist.model import GPT, PRESETS, GPTConfig
 from minidist.muon import Muon, newton_schulz, split_params
 
@@ -67,7 +67,7 @@ def _ns_sizes(quick: bool, device):
 
 def _model_cfg(quick: bool, device) -> tuple[dict, int, int]:
     """train_gpt's default model for the device (tiny on CPU, GPT-2 on GPU), its batch."""
-    from minidist.train_gpt import AUTO
+    from minidist.flags import AUTO
     auto = AUTO[device.type]
     vocab = 50257 if auto["tokenizer"] == "gpt2" else int(auto["tokenizer"].split("-")[1])
     cfg = dict(PRESETS[auto["preset"]], vocab_size=vocab)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from minidist.dist import launch
+from minidist.launch import launch
 
 
 def formula_bytes(psi: float, n: int, stage: int, k: int = 8, p: int = 4, g: int = 4) -> float:
@@ -43,7 +43,7 @@ VARIANTS = ["stage0", "stage1", "stage2", "stage3", "stage3_no_prefetch"]
 def _build(name, cfg, collectives):
     from minidist.ddp import DDP
     from minidist.model import GPT, GPTConfig
-    from minidist.zero3 import zero_optimizer
+    from minidist.zero import zero_optimizer
     torch.manual_seed(0)
     model = GPT(GPTConfig(**cfg))
     kw = dict(lr=1e-4, betas=(0.9, 0.95))
@@ -58,7 +58,7 @@ def _build(name, cfg, collectives):
 
 def _measure(cfg, per_rank_batch, rounds, steps):
     from minidist.comm import all_reduce, count_bytes
-    from minidist.train_gpt import forward_backward
+    from minidist.train import forward_backward
     nbytes = lambda t: t.numel() * t.element_size()
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(rank)
@@ -104,7 +104,7 @@ def _measure(cfg, per_rank_batch, rounds, steps):
 
 def zero(args) -> dict:
     from minidist.model import PRESETS, config_num_params, GPTConfig
-    from minidist.train_gpt import AUTO
+    from minidist.flags import AUTO
     cfg = dict(PRESETS["tiny"], vocab_size=2048)  # train_gpt's CPU default model
     global_batch, rounds, steps = AUTO["cpu"]["batch_size"], 8, 2
     if args.quick:

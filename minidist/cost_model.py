@@ -29,7 +29,7 @@ Read the efficiencies as upper bounds. The model is optimistic where it assumes:
 - the optimizer step and the loss's gradient clipping reductions are left out (ZeRO's
   step shrinks by N, so leaving it out slightly understates what ZeRO saves);
 - ZeRO-3's parameters are spread evenly over the L blocks (the embeddings are a unit of
-  their own in minidist/zero3.py, a large one for small models).
+  their own in minidist/zero/stage3.py, a large one for small models).
 It is pessimistic where it assumes:
 - a flat ring at the pace of its slowest link: no hierarchical collectives (reduce-scatter
   over NVLink, then between nodes on 1/8 of the data) and no in-network reduction;

@@ -1,6 +1,6 @@
 """Measuring a run: throughput, model FLOPs utilisation (MFU), memory.
 
-Chapter 01 (chapters/01_gpt.md) defines MFU and validation bits per byte (`evaluate`);
+Chapter 01 (chapters/01_gpt.md) defines MFU and validation bits per byte (computed by `minidist.train.evaluate`);
 chapter 08 uses these figures at scale.
 Exercised by `python -m minidist.train_gpt` (every log line) and tests/test_model.py.
 
@@ -13,15 +13,12 @@ is an empirical ceiling, not a datasheet one, and the log says so.
 
 from __future__ import annotations
 
-import math
 import resource
 import sys
 import time
 
 import torch
-import torch.distributed as dist
 
-from minidist.scaler import autocast
 
 # Dense peak TFLOP/s from the vendors' datasheets (SXM parts), by precision of the matmul.
 # "fp32" means TF32 tensor cores where the GPU has them, as torch uses for fp32 matmuls
@@ -113,25 +110,3 @@ def plot_losses(rows, path) -> None:
     ax.set(xlabel="step", ylabel="loss (nats/token)", title="minidist train_gpt")
     ax.legend(), ax.grid(alpha=0.3)
     fig.savefig(path, dpi=120, bbox_inches="tight")
-
-
-@torch.no_grad()
-def evaluate(model, loader, info, tok_bytes, max_windows=None, precision="fp32") -> tuple[float, float]:
-    """(mean loss in nats per token, bits per byte) over the validation windows, all
-    ranks sharing the work, the forward pass in the training precision. Bits per byte
-    divides by the UTF-8 bytes of the predicted tokens, so it compares across tokenizers."""
-    model.eval()
-    sums = torch.zeros(3, dtype=torch.float64)  # nats, tokens, bytes
-    windows = list(loader.all_windows(max_windows))
-    for i in range(0, len(windows), 16):
-        w = torch.stack([torch.from_numpy(loader.window(j)) for j in windows[i:i + 16]])
-        x, y = w[:, :-1].to(info.device), w[:, 1:].to(info.device)
-        with autocast(info.device, precision):
-            _, loss = model(x, y, reduction="sum")
-        sums += torch.tensor([loss.item(), y.numel(), tok_bytes[w[:, 1:].numpy()].sum()],
-                             dtype=torch.float64)
-    sums = sums.to(info.device)
-    dist.all_reduce(sums)
-    model.train()
-    nats, n, nbytes = sums.tolist()
-    return nats / n, nats / math.log(2) / max(nbytes, 1)

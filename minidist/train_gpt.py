@@ -16,9 +16,7 @@ line per logged step and writes metrics.jsonl, loss.png and summary.json to --ou
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
 import os
 import sys
 import time
@@ -30,70 +28,9 @@ import torch.distributed as dist
 from minidist import checkpoint, data, faults, metrics
 from minidist.ddp import DDP, allreduce_gradients_flat, allreduce_gradients_naive, broadcast_module
 from minidist.dist import cleanup, init
-from minidist.flags import AUTO, build_parser, make_scaler, resolve_args  # noqa: F401 (re-exported)
-from minidist.muon import Muon, split_params
+from minidist.flags import build_parser, make_scaler, resolve_args
 from minidist.model import GPT, PRESETS, GPTConfig, flops_per_token, num_params
-from minidist.scaler import LossScaler, autocast
-from minidist.zero3 import zero_optimizer
-
-
-def make_optimizers(model, args) -> list[torch.optim.Optimizer]:
-    """AdamW (weight decay on matrices only), sharded by ZeRO when asked; or Muon for the
-    hidden matrices plus AdamW for embeddings, head, gains and biases. Each group
-    remembers its peak lr."""
-    hidden, rest = split_params(model) if args.optimizer == "muon" else ([], list(model.parameters()))
-    groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": args.weight_decay},
-              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
-    adamw = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-    if args.zero_stage:  # ZeRO averages the gradients itself, with reduce-scatters
-        opts = [zero_optimizer(model, groups, torch.optim.AdamW, args.zero_stage,
-                               bucket_cap_mb=args.bucket_cap_mb, **adamw)]
-    else:
-        opts = [torch.optim.AdamW(groups, **adamw)]
-    if hidden:
-        opts.append(Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum,
-                         weight_decay=args.muon_weight_decay))
-    for g in (g for o in opts for g in o.param_groups):
-        g["peak_lr"] = g["lr"]
-    return opts
-
-
-def forward_backward(model, micro_batches, world_size: int, ddp: DDP | None = None,
-                     scaler: LossScaler | None = None, precision: str = "fp32") -> float:
-    """Gradients of one optimizer step over this rank's micro-batches; returns the loss.
-
-    The loss is normalised by the number of target tokens in the whole global batch (all
-    micro-steps, all ranks; targets of -1 are masked and do not count), so every token
-    weighs the same however the tokens fall across micro-batches and ranks. Gradient
-    averaging divides by world_size, so each rank scales its summed loss by world_size /
-    global_tokens. Under DDP, all micro-steps but the last run in no_sync(): no
-    communication until the gradients are complete. The forward pass runs under autocast
-    at `precision`; with a scaler, the loss is multiplied by its scale before backward.
-    """
-    # tokens in the global batch: one tiny collective per step (float64: exact counts)
-    count = sum((y != -1).sum() for _, y in micro_batches).double().reshape(1)
-    dist.all_reduce(count)
-    if count.item() == 0:
-        raise ValueError("every target in this global batch is masked (-1): nothing to learn from")
-    total = torch.zeros((), dtype=torch.float64, device=count.device)
-    for i, (x, y) in enumerate(micro_batches):
-        sync = ddp is None or i == len(micro_batches) - 1
-        with (contextlib.nullcontext() if sync else ddp.no_sync()):
-            with autocast(x.device, precision):
-                _, loss_sum = model(x, y, reduction="sum")  # fp32: autocast reduces in fp32
-            loss = loss_sum.float() * (world_size / count.item())
-            (scaler.scale(loss) if scaler else loss).backward()
-        total += loss_sum.detach().double()
-    dist.all_reduce(total)  # for the log: the global batch's mean loss per token
-    return (total / count).item()
-
-
-def lr_at(step: int, args) -> float:
-    """Linear warmup, then cosine decay to min_lr_ratio * lr."""
-    if step < args.warmup_steps:
-        return args.lr * (step + 1) / args.warmup_steps
-    t = (step - args.warmup_steps) / max(1, args.steps - 1 - args.warmup_steps)
-    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+from minidist.train import evaluate, forward_backward, lr_at, make_optimizers
 
 
 def main(argv=None) -> dict:
@@ -174,7 +111,7 @@ def main(argv=None) -> dict:
                 row.update(loss_scale=scaler.get_scale(), skipped_steps=scaler.skipped_steps)
             rate = tput.rate()  # training only: evaluation below is not counted
             if (step + 1) % args.eval_interval == 0 and not last:
-                row["val_loss"], _ = metrics.evaluate(model, val, info, tok_bytes, args.eval_windows,
+                row["val_loss"], _ = evaluate(model, val, info, tok_bytes, args.eval_windows,
                                               args.precision)
                 tput.rate()  # restart the clock after evaluating
             m = metrics.mfu(fpt, rate, peak, info.world_size)
@@ -194,7 +131,7 @@ def main(argv=None) -> dict:
         faults.inject_fault("step", step + 1, info.rank)
 
     # by default the whole validation split
-    val_loss, bpb = metrics.evaluate(model, val, info, tok_bytes, args.final_eval_windows, args.precision)
+    val_loss, bpb = evaluate(model, val, info, tok_bytes, args.final_eval_windows, args.precision)
     train_s = time.perf_counter() - t_start
     rows.append({"step": args.steps, "val_loss": val_loss, "val_bpb": bpb})
     summary = {"val_loss": val_loss, "val_bpb": bpb, "train_seconds": train_s,

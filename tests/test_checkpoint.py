@@ -12,9 +12,9 @@ import torch.distributed as dist
 
 from minidist import checkpoint
 from minidist.ddp import allreduce_gradients_flat
-from minidist.dist import launch
+from minidist.launch import launch
 from minidist.model import GPT, GPTConfig
-from minidist.train_gpt import forward_backward, make_optimizers
+from minidist.train import forward_backward, make_optimizers
 
 CFG = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0)
 BATCH = 12  # sequences per global batch: divisible by 1, 2, 3 and 4 ranks

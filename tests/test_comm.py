@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from minidist import comm
-from minidist.dist import launch
+from minidist.launch import launch
 
 SIZES = (1, 2, 7, 1000, 4099)  # 1 element, fewer than ranks, odd, divisible, prime
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minidist.ddp import DDP
-from minidist.dist import launch
+from minidist.launch import launch
 
 
 class Tied(nn.Module):

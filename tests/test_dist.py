@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minidist.dist import LaunchError, init, launch
+from minidist.dist import init
+from minidist.launch import LaunchError, launch
 
 
 def _who_and_sum(offset):
@@ -100,7 +101,7 @@ def test_launch_from_a_notebook(tmp_path):
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(
         "import torch, torch.distributed as dist\n"
-        "from minidist.dist import launch\n"
+        "from minidist.launch import launch\n"
         "SCALE = 10.0\n"
         "def work(x):\n"
         "    t = torch.tensor([x * (dist.get_rank() + 1)])\n"

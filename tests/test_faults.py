@@ -14,7 +14,7 @@ import torch.distributed as dist
 from conftest import run
 from minidist import checkpoint, faults
 from minidist.ddp import DDP
-from minidist.dist import launch
+from minidist.launch import launch
 from minidist.model import GPT, GPTConfig
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seq-len", "16", "--batch-size", "8",

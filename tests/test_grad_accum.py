@@ -1,4 +1,4 @@
-"""Gradient accumulation with token-weighted loss (train_gpt.forward_backward): ranks x
+"""Gradient accumulation with token-weighted loss (minidist.train.forward_backward): ranks x
 micro-steps with masked targets of unequal counts give the gradient of one process on the
 whole batch, where every unmasked token weighs the same."""
 
@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 
 from minidist.ddp import DDP, allreduce_gradients_flat
-from minidist.dist import launch
+from minidist.launch import launch
 from minidist.model import GPT, GPTConfig
-from minidist.train_gpt import forward_backward
+from minidist.train import forward_backward
 
 CFG = dict(n_layer=2, n_head=2, n_embd=32, block_size=12, vocab_size=64)
 B, K = 8, 2  # global batch of 8 sequences; K micro-steps

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from minidist import train_gpt
-from minidist.dist import launch
+from minidist.launch import launch
 from minidist.model import GPT, GPTConfig
 from minidist.muon import NS_COEFFICIENTS, Muon, newton_schulz, split_params
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minidist import train_gpt
-from minidist.dist import launch
+from minidist.launch import launch
 from minidist.scaler import FP32_MAX, LossScaler, ScaleCollapseError
 
 

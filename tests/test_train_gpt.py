@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from minidist import train_gpt
-from minidist.dist import launch
+from minidist.launch import launch
 from conftest import run
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seq-len", "32",

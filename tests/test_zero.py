@@ -1,4 +1,4 @@
-"""ZeRO stages 1, 2 (minidist.zero.ShardedOptimizer) and 3 (minidist.zero3): equal to a
+"""ZeRO stages 1, 2 (minidist.zero.ShardedOptimizer) and 3 (minidist.zero.FullyShardedOptimizer): equal to a
 plain single-process optimizer on the whole batch (AdamW with two param groups, SGD with
 momentum; gradient accumulation; a frozen parameter; tied weights) at 2, 3 and 4 ranks;
 equal to torch's ZeroRedundancyOptimizer and FSDP2 (fully_shard); and the memory held and
@@ -7,7 +7,7 @@ bytes sent equal the ZeRO paper's formulas, counted on the wire."""
 import pytest
 import torch
 
-from minidist.dist import launch
+from minidist.launch import launch
 
 CFG = dict(n_layer=2, n_head=2, n_embd=20, block_size=8, vocab_size=61)  # 3 ranks: padding
 B, STEPS = 24, 3  # 24: divides by 2, 3, 4 ranks x 2 micro-steps
@@ -60,9 +60,9 @@ def _sharded(opt_name, stage, reduce_gradients, accum, collectives="torch", pref
     import torch.distributed as dist
 
     from minidist.ddp import allreduce_gradients_flat
-    from minidist.train_gpt import forward_backward
+    from minidist.train import forward_backward
     from minidist.zero import ShardedOptimizer
-    from minidist.zero3 import FullyShardedOptimizer
+    from minidist.zero import FullyShardedOptimizer
     r, n = dist.get_rank(), dist.get_world_size()
     model = _model()
     cls, kw = OPTIMIZERS[opt_name]
@@ -122,7 +122,7 @@ def _torch_parity():
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from minidist.zero import ShardedOptimizer
-    from minidist.zero3 import FullyShardedOptimizer
+    from minidist.zero import FullyShardedOptimizer
     r, n = dist.get_rank(), dist.get_world_size()
     cls, kw = OPTIMIZERS["adamw"]
     out = {}

@@ -4,7 +4,7 @@
     torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --zero-stage 3
     pytest tests/test_zero.py
 
-Stages 1 and 2 (minidist/zero.py) still keep every parameter on every rank. Stage 3 keeps
+Stages 1 and 2 (minidist/zero/stage12.py) still keep every parameter on every rank. Stage 3 keeps
 only this rank's shard of each unit at rest (a unit: one transformer block; the "root"
 unit holds everything outside the blocks: embeddings, final norm, the tied head). A unit's
 full parameters exist only while they are used:
@@ -34,7 +34,8 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from minidist.zero import ShardedOptimizer, _Unit
+from minidist.zero.layout import _Unit
+from minidist.zero.stage12 import ShardedOptimizer
 
 
 class FullyShardedOptimizer(ShardedOptimizer):
@@ -171,16 +172,3 @@ class FullyShardedOptimizer(ShardedOptimizer):
         out["params"] = sum(nbytes(u.shard) for u in self.units) + self._gathered_bytes
         out["peak_gathered"] = self.peak_gathered_bytes
         return out
-
-
-def zero_optimizer(model: nn.Module, param_groups, optimizer_class, stage: int, **kwargs):
-    """The one entry point for ZeRO stages 1-3: a ShardedOptimizer that averages the
-    gradients itself (stages 1, 2) or a FullyShardedOptimizer over `model` (stage 3)."""
-    if stage in (1, 2):
-        kwargs.pop("prefetch", None)
-        return ShardedOptimizer(param_groups, optimizer_class, stage=stage, reduce_gradients=True,
-                                module=model, **kwargs)
-    if stage == 3:
-        kwargs.pop("bucket_cap_mb", None)
-        return FullyShardedOptimizer(model, param_groups, optimizer_class, **kwargs)
-    raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")

@@ -1,0 +1,103 @@
+"""The training library: what one optimizer step is made of, shared by train_gpt.py,
+the notebooks, the tests and the benchmarks.
+
+Chapter 04 (chapters/04_grad_accum.md) explains forward_backward (accumulation and the
+token-weighted loss); chapter 01 the schedule and evaluation, chapter 07 make_optimizers
+(Muon beside AdamW). Exercised by
+`torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py` and
+`pytest tests/test_grad_accum.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+
+from minidist.ddp import DDP
+from minidist.muon import Muon, split_params
+from minidist.scaler import LossScaler, autocast
+from minidist.zero import zero_optimizer
+
+
+def make_optimizers(model, args) -> list[torch.optim.Optimizer]:
+    """AdamW (weight decay on matrices only), sharded by ZeRO when asked; or Muon for the
+    hidden matrices plus AdamW for embeddings, head, gains and biases. Each group
+    remembers its peak lr."""
+    hidden, rest = split_params(model) if args.optimizer == "muon" else ([], list(model.parameters()))
+    groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": args.weight_decay},
+              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
+    adamw = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    if args.zero_stage:  # ZeRO averages the gradients itself, with reduce-scatters
+        opts = [zero_optimizer(model, groups, torch.optim.AdamW, args.zero_stage,
+                               bucket_cap_mb=args.bucket_cap_mb, **adamw)]
+    else:
+        opts = [torch.optim.AdamW(groups, **adamw)]
+    if hidden:
+        opts.append(Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum,
+                         weight_decay=args.muon_weight_decay))
+    for g in (g for o in opts for g in o.param_groups):
+        g["peak_lr"] = g["lr"]
+    return opts
+
+
+def forward_backward(model, micro_batches, world_size: int, ddp: DDP | None = None,
+                     scaler: LossScaler | None = None, precision: str = "fp32") -> float:
+    """Gradients of one optimizer step over this rank's micro-batches; returns the loss.
+
+    The loss is normalised by the number of target tokens in the whole global batch (all
+    micro-steps, all ranks; targets of -1 are masked and do not count), so every token
+    weighs the same however the tokens fall across micro-batches and ranks. Gradient
+    averaging divides by world_size, so each rank scales its summed loss by world_size /
+    global_tokens. Under DDP, all micro-steps but the last run in no_sync(): no
+    communication until the gradients are complete. The forward pass runs under autocast
+    at `precision`; with a scaler, the loss is multiplied by its scale before backward.
+    """
+    # tokens in the global batch: one tiny collective per step (float64: exact counts)
+    count = sum((y != -1).sum() for _, y in micro_batches).double().reshape(1)
+    dist.all_reduce(count)
+    if count.item() == 0:
+        raise ValueError("every target in this global batch is masked (-1): nothing to learn from")
+    total = torch.zeros((), dtype=torch.float64, device=count.device)
+    for i, (x, y) in enumerate(micro_batches):
+        sync = ddp is None or i == len(micro_batches) - 1
+        with (contextlib.nullcontext() if sync else ddp.no_sync()):
+            with autocast(x.device, precision):
+                _, loss_sum = model(x, y, reduction="sum")  # fp32: autocast reduces in fp32
+            loss = loss_sum.float() * (world_size / count.item())
+            (scaler.scale(loss) if scaler else loss).backward()
+        total += loss_sum.detach().double()
+    dist.all_reduce(total)  # for the log: the global batch's mean loss per token
+    return (total / count).item()
+
+
+def lr_at(step: int, args) -> float:
+    """Linear warmup, then cosine decay to min_lr_ratio * lr."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    t = (step - args.warmup_steps) / max(1, args.steps - 1 - args.warmup_steps)
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+@torch.no_grad()
+def evaluate(model, loader, info, tok_bytes, max_windows=None, precision="fp32") -> tuple[float, float]:
+    """(mean loss in nats per token, bits per byte) over the validation windows, all
+    ranks sharing the work, the forward pass in the training precision. Bits per byte
+    divides by the UTF-8 bytes of the predicted tokens, so it compares across tokenizers."""
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64)  # nats, tokens, bytes
+    windows = list(loader.all_windows(max_windows))
+    for i in range(0, len(windows), 16):
+        w = torch.stack([torch.from_numpy(loader.window(j)) for j in windows[i:i + 16]])
+        x, y = w[:, :-1].to(info.device), w[:, 1:].to(info.device)
+        with autocast(info.device, precision):
+            _, loss = model(x, y, reduction="sum")
+        sums += torch.tensor([loss.item(), y.numel(), tok_bytes[w[:, 1:].numpy()].sum()],
+                             dtype=torch.float64)
+    sums = sums.to(info.device)
+    dist.all_reduce(sums)
+    model.train()
+    nats, n, nbytes = sums.tolist()
+    return nats / n, nats / math.log(2) / max(nbytes, 1)

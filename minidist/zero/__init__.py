@@ -1,0 +1,34 @@
+"""ZeRO, stages 1, 2 and 3, as one package. Chapter 06 (chapters/06_zero.md). Exercised by:
+
+    torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --zero-stage 2
+    pytest tests/test_zero.py
+
+Read in this order:
+    layout.py   the flat padded shard layout (a unit: parameters in one buffer, cut N ways)
+    stage12.py  ShardedOptimizer: ZeRO-1 (optimizer state) and ZeRO-2 (also gradients)
+    stage3.py   FullyShardedOptimizer: ZeRO-3 (also parameters, gathered per block)
+and zero_optimizer below, the one entry point for all three stages.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from minidist.zero.layout import _Unit
+from minidist.zero.stage12 import ShardedOptimizer
+from minidist.zero.stage3 import FullyShardedOptimizer
+
+__all__ = ["ShardedOptimizer", "FullyShardedOptimizer", "zero_optimizer", "_Unit"]
+
+
+def zero_optimizer(model: nn.Module, param_groups, optimizer_class, stage: int, **kwargs):
+    """The one entry point for ZeRO stages 1-3: a ShardedOptimizer that averages the
+    gradients itself (stages 1, 2) or a FullyShardedOptimizer over `model` (stage 3)."""
+    if stage in (1, 2):
+        kwargs.pop("prefetch", None)
+        return ShardedOptimizer(param_groups, optimizer_class, stage=stage, reduce_gradients=True,
+                                module=model, **kwargs)
+    if stage == 3:
+        kwargs.pop("bucket_cap_mb", None)
+        return FullyShardedOptimizer(model, param_groups, optimizer_class, **kwargs)
+    raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")

@@ -1,0 +1,64 @@
+"""The flat padded shard layout every ZeRO stage uses. Chapter 06 (chapters/06_zero.md),
+section "The layout". Exercised by `pytest tests/test_zero.py`.
+
+Sharding is by flat, padded element ranges, as DeepSpeed does: the parameters of a unit
+(a bucket at stages 1-2, a transformer block at stage 3) live in one flat buffer whose
+length is padded to a multiple of N, and rank r owns elements [r*S, (r+1)*S) of it
+(S = padded length / N). Every rank gets the same number of elements, whatever the
+parameter shapes; a parameter may straddle two ranks, which an elementwise optimizer does
+not mind. Within a unit, parameters are ordered by param group, so a rank's shard meets
+each group in one contiguous range: that range is the tensor the rank's inner optimizer
+sees, with the group's hyperparameters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class _Unit:
+    """Some parameters in one flat buffer, padded to a multiple of N, sharded N ways.
+    After construction each parameter's .data is a view into the flat buffer."""
+
+    def __init__(self, params: list, group_of: dict, rank: int, world: int):
+        self.params = sorted(params, key=lambda p: group_of[p])
+        numel = sum(p.numel() for p in self.params)
+        self.chunk = math.ceil(numel / world)
+        p0 = self.params[0]
+        self.flat = torch.zeros(self.chunk * world, dtype=p0.dtype, device=p0.device)
+        self.lo, self.hi = rank * self.chunk, (rank + 1) * self.chunk
+        self.ranges = {}  # param group -> (start, end) within this rank's shard
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            self.flat[offset:offset + n].copy_(p.detach().flatten())
+            p.data = self.flat[offset:offset + n].view_as(p)
+            a, b = max(offset, self.lo), min(offset + n, self.hi)
+            if a < b:
+                g = group_of[p]
+                start, end = self.ranges.get(g, (a - self.lo, b - self.lo))
+                self.ranges[g] = (min(start, a - self.lo), max(end, b - self.lo))
+            offset += n
+        self.shard = self.flat[self.lo:self.hi]  # this rank's parameters, a view
+        self.grad_shard = torch.zeros_like(self.shard)  # this rank's averaged gradient
+        self.ready = 0  # parameters whose gradient is complete in this backward
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """One view per parameter into a flat tensor laid out like this unit's buffer."""
+        out, offset = [], 0
+        for p in self.params:
+            out.append(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return out
+
+    def flat_grads(self) -> torch.Tensor:
+        """The parameters' local gradients in one padded flat tensor (zeros where none)."""
+        flat = torch.zeros_like(self.flat)
+        offset = 0
+        for p in self.params:
+            if p.grad is not None:
+                flat[offset:offset + p.numel()].copy_(p.grad.flatten())
+            offset += p.numel()
+        return flat
