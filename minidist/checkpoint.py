@@ -3,7 +3,7 @@
 
     torchrun --standalone --nproc_per_node=4 minidist/train_gpt.py --zero-stage 2 --checkpoint-every 50
     torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --zero-stage 3 --resume auto
-    python -m minidist.checkpoint out/checkpoints      # what the newest checkpoint holds
+    python -m minidist.checkpoint out/checkpoints      # intact or damaged, what each holds
 
 A checkpoint is a folder, out/checkpoints/step_00000100/: one file per rank that saved it,
 and a meta.json. Each rank writes only what it holds and nobody else does: its ZeRO shard
@@ -25,21 +25,23 @@ leaves the new checkpoint whole or no trace of it. Several nodes need a shared f
 
 Exact resume also needs the step (the data and the learning-rate schedule are functions
 of it), the loss scaler, each rank's RNG state, and the caller's `extra` (train_gpt: its
-settings and its log rows).
+settings and its log rows). Checksums of every piece and of meta.json, the files' format
+and reading them: minidist/checkpoint_io.py.
 """
 
 from __future__ import annotations
 
-import json
-import math
+import errno
 import os
 import shutil
-import sys
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from minidist.checkpoint_io import (CheckpointError, Reader, atomic_write, fsync, latest,  # noqa: F401
+                                    list_checkpoints, main, read_meta, shard_checksums,
+                                    shard_name, verify, write_meta)
 from minidist.dist import barrier_or_failure, rank_and_world
 from minidist.faults import inject_fault
 
@@ -118,21 +120,14 @@ def _names(model) -> dict:
 
 # ---- saving ------------------------------------------------------------------------
 
-def _atomic_write(path: Path, write) -> None:
-    """write(tmp_path), then rename over `path`: a reader sees the old file or the new one."""
-    tmp = path.with_name(f".{path.name}.partial")
-    write(tmp)
-    _fsync(tmp)
-    os.replace(tmp, path)
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file, or a folder's entries (its renames), to the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _why(e: OSError, where: Path) -> str:
+    """What failed, and what to change: a full disk is not a read-only folder."""
+    hint = {errno.ENOSPC: f"free space in {where} or choose another folder",
+            errno.EDQUOT: f"free space (disk quota) in {where} or choose another folder",
+            errno.EACCES: f"{where} is not writable: fix its permissions or choose another folder",
+            errno.EPERM: f"{where} is not writable: fix its permissions or choose another folder",
+            errno.EROFS: f"{where} is on a read-only file system: choose another folder"}
+    return f"{e}; {hint.get(e.errno, f'check that {where} exists and can be written')}"
 
 
 def save(root, step: int, model, optimizers, scaler=None, extra: dict | None = None,
@@ -140,11 +135,17 @@ def save(root, step: int, model, optimizers, scaler=None, extra: dict | None = N
     """Write `root`/step_<step>/ (a collective: every rank calls it); keep the newest `keep`."""
     rank, world, root = *rank_and_world(), Path(root)
     final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
+    error = None
     if rank == 0:
-        for junk in root.glob(".*_step_*"):  # left by a save that was killed
-            shutil.rmtree(junk, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier_or_failure()
+        try:
+            for junk in root.glob(".*_step_*"):  # left by a save that was killed
+                shutil.rmtree(junk, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        except OSError as e:  # every rank must hear of it, not wait at the barrier
+            error = f"rank 0 could not create {tmp}: {_why(e, root)}"
+    if barrier_or_failure(error):
+        raise RuntimeError(f"checkpoint {final} was not saved ({error or 'rank 0 failed'}); "
+                           "the previous ones are untouched")
     names = _names(model)
     pieces, scalars = [], {}
     for s in _model_slots(model, optimizers, names, rank, world):
@@ -164,93 +165,39 @@ def save(root, step: int, model, optimizers, scaler=None, extra: dict | None = N
     rng = {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()}
                                             if torch.cuda.is_initialized() else {})}
     shard = {"pieces": pieces, "scalars": scalars, "rng": rng, "rank": rank}
+    shard["checksums"] = shard_checksums(shard)  # verified at every load
     try:
-        _atomic_write(tmp / f"shard_{rank:05d}_of_{world:05d}.pt", lambda f: torch.save(shard, f))
-        error = None
-    except Exception as e:  # a full disk, a lost mount, no shared folder: all must hear of it
-        error = f"rank {rank}: {e}"
+        atomic_write(tmp / shard_name(rank, world), lambda f: torch.save(shard, f))
+    except OSError as e:  # a full disk, a lost mount, no shared folder: all must hear of it
+        error = f"rank {rank}: {_why(e, root)}"
+    except Exception as e:
+        error = f"rank {rank}: {type(e).__name__}: {e}"
     inject_fault("save", step, rank)
-    error = barrier_or_failure(error)  # every shard is on disk, or every rank knows one is not
-    if error:
-        raise RuntimeError(f"checkpoint {final} was not saved ({error}); the previous ones are "
-                           f"untouched. Free space in {root} or choose another folder")
+    failed = barrier_or_failure(error)  # every shard is on disk, or every rank knows one is not
+    if failed:
+        raise RuntimeError(f"checkpoint {final} was not saved ({failed}); the previous ones are "
+                           "untouched" + ("" if error else "; that rank's error says why"))
     if rank == 0:
-        meta = {"format": 1, "step": step, "world_size": world,
+        meta = {"format": 2, "step": step, "world_size": world,
                 "optimizers": [{"param_groups": [{k: v for k, v in g.items() if k != "params"}
                                                  for g in o.param_groups]} for o in optimizers],
                 "scaler": scaler.state_dict() if scaler is not None else {},
                 "extra": extra or {}}
-        _atomic_write(tmp / "meta.json", lambda f: Path(f).write_text(json.dumps(meta, indent=1)))
+        write_meta(tmp / "meta.json", meta)  # strict JSON, with its own checksum
         if final.exists():  # saving the same step again: move the old one out of the way
             old = root / f".old_step_{step:08d}"
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
             shutil.rmtree(old)
         os.replace(tmp, final)  # the moment the checkpoint exists, whole
-        _fsync(root)  # the rename itself survives a power cut, not only a killed process
+        fsync(root)  # the rename itself survives a power cut, not only a killed process
         for stale in list_checkpoints(root)[:-keep] if keep > 0 else []:
             shutil.rmtree(stale, ignore_errors=True)
     barrier_or_failure()
     return final
 
 
-# ---- finding and reading ------------------------------------------------------------
-
-def list_checkpoints(root) -> list[Path]:
-    """The complete checkpoints under `root`, oldest first (hidden, unfinished ones are
-    not listed: a folder named step_* exists only once it is whole)."""
-    return sorted(p for p in Path(root).glob("step_*") if (p / "meta.json").is_file())
-
-
-def latest(root) -> Path | None:
-    found = list_checkpoints(root)
-    return found[-1] if found else None
-
-
-def read_meta(path) -> dict:
-    path = Path(path)
-    if not (path / "meta.json").is_file():
-        raise FileNotFoundError(f"{path} is not a complete minidist checkpoint (no meta.json)")
-    return json.loads((path / "meta.json").read_text())
-
-
-class Reader:
-    """Every piece of a checkpoint, indexed by key, memory-mapped (read lazily)."""
-
-    def __init__(self, path):
-        self.path, self.meta = Path(path), read_meta(path)
-        files = sorted(self.path.glob("shard_*.pt"))
-        if len(files) != self.meta["world_size"]:
-            raise FileNotFoundError(f"{self.path}: {len(files)} shard files for a checkpoint "
-                                    f"saved by {self.meta['world_size']} ranks")
-        self.pieces, self.shapes, self.scalars, self.rng = {}, {}, {}, {}
-        for f in files:
-            shard = torch.load(f, mmap=True, weights_only=True, map_location="cpu")
-            for key, shape, start, t in shard["pieces"]:
-                self.pieces.setdefault(key, []).append((start, t))
-                self.shapes[key] = tuple(shape)
-            self.scalars.update(shard["scalars"])
-            self.rng[shard["rank"]] = shard["rng"]
-
-    def read(self, key: str, start: int, n: int) -> torch.Tensor:
-        """Elements [start, start + n) of the flattened tensor `key`."""
-        out = torch.empty(n, dtype=self.pieces[key][0][1].dtype)
-        have = torch.zeros(n, dtype=torch.bool)  # which elements some piece supplied
-        for s, t in self.pieces[key]:
-            a, b = max(start, s), min(start + n, s + t.numel())
-            if a < b:
-                out[a - start:b - start] = t[a - s:b - s]
-                have[a - start:b - start] = True
-        if not bool(have.all()):
-            raise ValueError(f"{self.path}: elements [{start}, {start + n}) of {key} are not all "
-                             f"in the checkpoint ({int(have.sum())} of {n} found): it is damaged")
-        return out
-
-    def consolidated(self) -> dict[str, torch.Tensor]:
-        """Every key as one full tensor, whatever the sharding it was saved with."""
-        out = {k: self.read(k, 0, math.prod(shape)).view(shape) for k, shape in self.shapes.items()}
-        return {**out, **self.scalars}
-
+# ---- loading ------------------------------------------------------------------------
 
 def load(path, model, optimizers, scaler=None) -> dict:
     """Fill `model`, `optimizers` (same kinds, same order) and `scaler` from checkpoint
@@ -286,6 +233,8 @@ def load(path, model, optimizers, scaler=None) -> dict:
         raise ValueError(f"checkpoint {path} does not fit this model/optimizer:\n  "
                          + "\n  ".join(problems[:10]) + (f"\n  (saved model config: {saved})" if saved else "")
                          + "\nresume with the same model and optimizer flags as the run that saved it")
+    # the bytes this rank is about to read match their checksums, before anything changes
+    r.verify({key for _, key, _ in fills} | {v[0] for *_, v in states if isinstance(v, tuple)})
     with torch.no_grad():
         for dest, key, start in fills:
             dest.copy_(r.read(key, start, dest.numel()))
@@ -311,18 +260,6 @@ def load(path, model, optimizers, scaler=None) -> dict:
         if "cuda" in r.rng[rank] and torch.cuda.is_available():
             torch.cuda.set_rng_state(r.rng[rank]["cuda"])
     return meta
-
-
-def main(argv=None) -> None:
-    """python -m minidist.checkpoint PATH: what a checkpoint holds."""
-    path = Path((argv or sys.argv[1:] or ["."])[0])
-    try:
-        r = Reader(path if (path / "meta.json").exists() else latest(path) or path)  # or the newest
-    except FileNotFoundError as e:
-        sys.exit(str(e))
-    print(f"{r.path}: step {r.meta['step']}, saved by {r.meta['world_size']} rank(s)")
-    for key, shape in sorted(r.shapes.items()):
-        print(f"  {key:60s} {str(list(shape)):>14s}  in {len(r.pieces[key])} piece(s)")
 
 
 if __name__ == "__main__":

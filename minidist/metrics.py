@@ -3,6 +3,8 @@
 Chapter 01 (chapters/01_gpt.md) defines MFU and validation bits per byte (computed by `minidist.train.evaluate`);
 chapter 08 uses these figures at scale.
 Exercised by `python -m minidist.train_gpt` (every log line) and tests/test_model.py.
+Also what a run leaves: metrics.jsonl, written as it goes, and strict JSON throughout (a
+NaN is written as null); and the watch that stops a run whose loss stays non-finite.
 
 MFU = (model FLOPs per token * tokens per second) / (peak FLOP/s of the hardware). The
 model FLOPs come from `minidist.model.flops_per_token`; the peak from the vendor's dense
@@ -13,6 +15,8 @@ is an empirical ceiling, not a datasheet one, and the log says so.
 
 from __future__ import annotations
 
+import json
+import math
 import resource
 import sys
 import time
@@ -110,3 +114,76 @@ def plot_losses(rows, path) -> None:
     ax.set(xlabel="step", ylabel="loss (nats/token)", title="minidist train_gpt")
     ax.legend(), ax.grid(alpha=0.3)
     fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
+# ---- what a run writes: strict JSON, as it goes ------------------------------------
+
+def finite_or_none(obj):
+    """obj with every NaN or infinity replaced by None, in nested dicts and lists: JSON
+    has no NaN, and strict parsers reject Python's "NaN" extension."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_none(v) for v in obj]
+    return obj
+
+
+def to_json(obj, **kwargs) -> str:
+    """Strict JSON: non-finite numbers as null (allow_nan=False proves none is left)."""
+    return json.dumps(finite_or_none(obj), allow_nan=False, **kwargs)
+
+
+class MetricsFile(list):
+    """The log rows of a run, a list that also appends each row to `path` (metrics.jsonl)
+    as it is added, flushed: a crash or a kill keeps every row logged so far. The file
+    starts with `rows` (a resumed run's rows, restored from its checkpoint), so it always
+    reads as one run. `write=False` (ranks other than 0): a plain list."""
+
+    def __init__(self, path, rows=(), write: bool = True):
+        super().__init__()
+        self.file = open(path, "w") if write else None
+        for row in rows:
+            self.append(row)
+
+    def append(self, row) -> None:
+        super().append(row)
+        if self.file:
+            self.file.write(to_json(row) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+
+
+NONFINITE_STEPS = 3  # consecutive non-finite losses that stop a run
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss stayed NaN or infinite: training on would only write garbage."""
+
+
+class LossWatch:
+    """Stops a run (NonFiniteLoss) once the loss has been non-finite for NONFINITE_STEPS
+    steps in a row. Every rank sees the same, all-reduced loss, so all stop at the same
+    step. fp16's skipped steps do not count: an overflow there is in the scaled
+    gradients, and the loss they report is finite."""
+
+    def __init__(self, args):
+        self.args, self.since = args, None  # the first step of the current bad streak
+
+    def check(self, step: int, loss: float) -> None:
+        if math.isfinite(loss):
+            self.since = None
+            return
+        self.since = self.since or step
+        if step - self.since + 1 >= NONFINITE_STEPS:
+            a = self.args
+            raise NonFiniteLoss(
+                f"step {step}: the loss has been {loss} for {NONFINITE_STEPS} steps in a row "
+                f"(steps {self.since}-{step}); stopping rather than training on garbage. Check "
+                f"the learning rate (--lr {a.lr:g}, --warmup-steps {a.warmup_steps}), the "
+                f"precision (--precision {a.precision}: fp16 can overflow, try bf16 or fp32) "
+                f"and the data (token ids within the vocabulary of --tokenizer {a.tokenizer})")

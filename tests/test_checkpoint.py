@@ -122,5 +122,5 @@ def test_buffers_are_saved_and_a_failed_write_fails_every_rank(tmp_path):
     for ok, same, error in results:  # every rank, not just the one whose disk filled up
         assert ok and same
         assert error and "step_00000002 was not saved (rank 1" in error, error
-    assert "(rank 1: [Errno 28] No space left on device)" in results[1][2]  # and why, where it happened
+    assert "(rank 1: [Errno 28] No space left on device; free space in" in results[1][2]  # and why, where it happened
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step_00000001"]
