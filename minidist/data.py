@@ -42,11 +42,8 @@ _GPT2_FILES = {
 
 def _tiktoken_cache_dir() -> str:
     # the same lookup tiktoken.load.read_file_cached does
-    if "TIKTOKEN_CACHE_DIR" in os.environ:
-        return os.environ["TIKTOKEN_CACHE_DIR"]
-    if "DATA_GYM_CACHE_DIR" in os.environ:
-        return os.environ["DATA_GYM_CACHE_DIR"]
-    return os.path.join(tempfile.gettempdir(), "data-gym-cache")
+    return os.environ.get("TIKTOKEN_CACHE_DIR", os.environ.get(
+        "DATA_GYM_CACHE_DIR", os.path.join(tempfile.gettempdir(), "data-gym-cache")))
 
 
 def _sha256(path) -> str:
@@ -184,14 +181,13 @@ def write_shard(path, tokens) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        f.write(tokens.astype(np.uint16).tobytes())
+    tmp.write_bytes(header.tobytes() + tokens.astype(np.uint16).tobytes())
     os.replace(tmp, path)  # never a half-written shard under the real name
 
 
-def read_shard(path) -> np.ndarray:
-    """The tokens of one shard as a read-only uint16 memmap; a bad file is a clear error."""
+def read_shard(path, vocab_size: int | None = None) -> np.ndarray:
+    """The tokens of one shard as a read-only uint16 memmap; a bad file is a clear error, and
+    so is an id the model's vocabulary (`vocab_size`) has no embedding for."""
     path = Path(path)
     size = path.stat().st_size
     if size < HEADER_INTS * 4:
@@ -207,7 +203,13 @@ def read_shard(path) -> np.ndarray:
     if size != HEADER_INTS * 4 + 2 * n:
         raise ValueError(f"{path}: header says {n} tokens ({HEADER_INTS * 4 + 2 * n} bytes) but "
                          f"the file has {size} bytes; it is truncated or corrupt: regenerate it")
-    return np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_INTS * 4, shape=(n,))
+    tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_INTS * 4, shape=(n,))
+    top = int(tokens.max()) if n and vocab_size else -1  # one vectorised pass over the map
+    if vocab_size and top >= vocab_size:  # else an IndexError deep in a forward, mid-run
+        fix = "--tokenizer gpt2" if top < 50257 else f"a tokenizer of more than {top} tokens"
+        raise ValueError(f"{path}: token id {top} is beyond the vocabulary ({vocab_size} tokens), "
+                         f"written with a larger tokenizer: use {fix}, or rewrite the shards with this one")
+    return tokens
 
 
 def prepare_shakespeare(out_dir, tokenizer: str = "gpt2") -> dict:
@@ -251,7 +253,7 @@ class TokenLoader:
     """
 
     def __init__(self, pattern, seq_len: int, global_batch: int, rank: int = 0,
-                 world_size: int = 1, seed: int = 0):
+                 world_size: int = 1, seed: int = 0, vocab_size: int | None = None):
         files = sorted(glob.glob(str(pattern))) if not isinstance(pattern, (list, tuple)) \
             else [str(p) for p in pattern]
         if not files:
@@ -260,7 +262,7 @@ class TokenLoader:
         if global_batch % world_size:
             raise ValueError(f"global batch {global_batch} does not divide across "
                              f"{world_size} ranks: use a multiple of {world_size}")
-        self.shards = [read_shard(f) for f in files]
+        self.shards = [read_shard(f, vocab_size) for f in files]
         self.T, self.B = seq_len, global_batch // world_size
         self.global_batch, self.rank, self.world_size, self.seed = global_batch, rank, world_size, seed
         counts = [len(s) // (seq_len + 1) for s in self.shards]
@@ -309,12 +311,10 @@ def main(argv=None) -> None:
     p.add_argument("--check", nargs="*", default=None, metavar="SHARD",
                    help="instead: read these shards back and print their token counts")
     a = p.parse_args(argv)
-    if a.check is not None:
-        for f in a.check:
-            print(f"{f}: {len(read_shard(f))} tokens")
-        return
-    meta = prepare_shakespeare(a.out or default_data_dir(a.tokenizer), a.tokenizer)
-    print(json.dumps(meta, indent=1))
+    for f in a.check or []:
+        print(f"{f}: {len(read_shard(f))} tokens")
+    if a.check is None:
+        print(json.dumps(prepare_shakespeare(a.out or default_data_dir(a.tokenizer), a.tokenizer), indent=1))
 
 
 def default_data_dir(tokenizer: str) -> str:
