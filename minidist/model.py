@@ -97,8 +97,16 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
+        # chapter 09: a function recompute(fn, x) that runs this block's forward keeping
+        # only x for backward (minidist.recompute.set_activation_checkpointing sets it)
+        self.recompute = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute is not None:
+            return self.recompute(self._forward, x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop(self.attn(self.ln_1(x)))
         return x + self.drop(self.mlp(self.ln_2(x)))
 

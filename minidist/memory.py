@@ -1,0 +1,199 @@
+"""Where memory goes in a training step: activations counted and derived, a model of the
+whole step per rank, and a measurement of its peak. Chapter 09 (chapters/09_memory.md).
+Exercised by `python -m minidist.plan --preset gpt2 --world-size 8 --budget-gb 80` and
+`pytest tests/test_memory.py`.
+
+Activations, derived for minidist.model's GPT (pre-norm blocks, SDPA attention, no
+dropout), per block and per token, with e the bytes of autocast's dtype (4 in fp32, 2
+in bf16/fp16) and the residual stream in fp32:
+
+    8d            the block's input and the residual after attention (LayerNorm inputs)
+    14 e d        LayerNorm outputs (2 x d, as the matmuls take them), q k v (3d), the
+                  attention output (d, which c_proj reads: SDPA's output is laid out so
+                  that the transpose back is free), the MLP's hidden (4d) and its GELU (4d)
+    4 H           SDPA's logsumexp, fp32, one per head (flash attention keeps no T x T)
+    16            LayerNorm's mean and 1/std, twice
+
+plus, under autocast, the 16-bit copies of the block's four weight matrices (12 e d^2)
+that the matmuls saved. Checkpointing keeps only the block's fp32 input: 4d per token.
+Outside the blocks: the token and position indices (int64), the final LayerNorm (its
+input, statistics, output) and the loss's log-softmax (fp32 B T V), the largest tensor of
+a small model's step.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+from contextlib import contextmanager
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from minidist.cost_model import model_state_bytes
+from minidist.model import GPTConfig, config_num_params
+
+GB = 1e9
+ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+# ------------------------------------------------------------------ activations, derived
+
+def block_activation_bytes(B: int, T: int, d: int, H: int, precision: str = "fp32",
+                           checkpointed: bool = False) -> int:
+    """Bytes one transformer block saves for backward (see the module's docstring)."""
+    if checkpointed:
+        return 4 * B * T * d
+    e = ELEM[precision]
+    weights = 12 * e * d * d if e < 4 else 0  # autocast's 16-bit weight copies
+    return B * T * (8 * d + 14 * e * d + 4 * H + 16) + weights
+
+
+def head_activation_bytes(B: int, T: int, d: int, V: int, precision: str = "fp32") -> int:
+    """Bytes saved outside the blocks: indices, final LayerNorm, the head, the loss."""
+    e = ELEM[precision]
+    weights = e * V * d if e < 4 else 0  # the head's 16-bit weight copy
+    tokens = B * T * (8 + 8 + 4 * d + 8 + e * d + 4 * V)  # idx, targets, ln_f in/stats/out, log-softmax
+    return tokens + 8 * T + weights
+
+
+def activation_bytes(cfg: GPTConfig, B: int, T: int, precision: str = "fp32",
+                     checkpointed: bool = False) -> int:
+    """Everything the forward keeps for backward, one micro-batch of B sequences."""
+    blocks = cfg.n_layer * block_activation_bytes(B, T, cfg.n_embd, cfg.n_head, precision, checkpointed)
+    return blocks + head_activation_bytes(B, T, cfg.n_embd, cfg.vocab_size, precision)
+
+
+# ------------------------------------------------------------------ activations, counted
+
+def count_saved_bytes(model, idx, targets, precision: str = "fp32") -> dict:
+    """Run a forward and count the bytes autograd saves for backward, deduplicated by
+    storage, leaving out the parameters (model states, not activations). Returns
+    {"blocks": [bytes saved while block i ran], "rest": the others, "total"}."""
+    from minidist.scaler import autocast  # a technique beside this one, imported late
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen, where, per = set(), ["rest"], {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params and s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            per[where[-1]] = per.get(where[-1], 0) + s.nbytes()
+        return t
+
+    def enter(i):
+        return lambda module, args: where.append(i)  # returns None: the args stay
+
+    def leave(module, args, out):
+        where.pop()  # returns None: the output stays
+
+    hooks = []
+    for i, b in enumerate(model.blocks):
+        hooks += [b.register_forward_pre_hook(enter(i)), b.register_forward_hook(leave)]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(idx.device, precision):
+            _, loss = model(idx, targets)
+    finally:
+        for h in hooks:
+            h.remove()
+    del loss
+    blocks = [per.get(i, 0) for i in range(len(model.blocks))]
+    return {"blocks": blocks, "rest": per.get("rest", 0), "total": sum(blocks) + per.get("rest", 0)}
+
+
+# ------------------------------------------------------------------ the step, modelled
+
+def step_memory(cfg: GPTConfig, micro_batch: int, seq_len: int, world: int = 1, stage: int = 0,
+                checkpointed: bool = False, precision: str = "fp32", bucket_cap_mb: float = 25.0) -> dict:
+    """Bytes per rank of one train_gpt step (AdamW, fp32 master weights and gradients,
+    autocast at `precision`), by component, and the peak: the larger of two moments,
+    the start of backward (every activation alive, the loss's gradient just made) and the
+    end of backward (gradients complete)."""
+    psi = config_num_params(cfg)
+    B, T, d, V, L = micro_batch, seq_len, cfg.n_embd, cfg.vocab_size, cfg.n_layer
+    # fp32 parameters (4), gradients (4) and AdamW's two moments (8), sharded per stage
+    states = model_state_bytes(psi, world, stage, k=8, p=4, g=4)
+    params, grads = 4 * psi / (world if stage >= 3 else 1), 4 * psi / (world if stage >= 2 else 1)
+    optim = states - params - grads
+    unit = 4 * psi / L if stage == 3 else min(4 * psi, bucket_cap_mb * 2**20)
+    if stage == 0:    # DDP's buckets hold the gradients; backward makes fresh ones beside them
+        in_flight = 4 * psi
+    elif stage == 3:  # the gathered root unit (embeddings, ln_f) and two blocks (prefetch)
+        in_flight = 4 * (psi - L * _block_params(cfg)) * (world > 1) + 2 * unit * (world > 1) + 2 * unit
+    else:             # full gradients of the unit being reduce-scattered, and its result
+        in_flight = 2 * unit if stage == 2 else 0.0
+    act = activation_bytes(cfg, B, T, precision, checkpointed)
+    # recomputation: one block's activations, rebuilt during backward, and their gradients
+    recompute = 2 * block_activation_bytes(B, T, d, cfg.n_head, precision) if checkpointed else 0
+    # the loss's gradient (fp32 B T V) and the logits' (in the autocast dtype), while the
+    # log-softmax output is still saved
+    logits_grad = B * T * V * (4 + ELEM[precision])
+    start = states + act + logits_grad + (in_flight if stage == 3 else 0)
+    end = states + in_flight + recompute + 4 * B * T * d * 2
+    out = dict(params=params, grads=grads, optimizer=optim, in_flight=in_flight,
+               activations=act, transient=max(logits_grad, recompute),
+               peak=max(start, end, states + in_flight + act + recompute))
+    return {k: float(v) for k, v in out.items()}
+
+
+def _block_params(cfg: GPTConfig) -> int:
+    d, b = cfg.n_embd, int(cfg.bias)
+    return 12 * d * d + 2 * d * (1 + b) + (3 + 1 + 4 + 1) * d * b
+
+
+# ------------------------------------------------------------------ the step, measured
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of live tensor storages on CPU, op by op, and their peak: every
+    storage an op returns is added and watched (a weak reference), and subtracted once it
+    is freed. Storages alive when counting starts are found by walking Python's objects.
+    What an op allocates and frees inside itself is not seen; nor storages resized in
+    place (ZeRO-3's gathers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.watched: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.live = self.peak = 0
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor) and not obj.is_meta:
+                self._add(obj)
+        self.start = self.peak = self.live
+
+    def _add(self, t: torch.Tensor) -> None:
+        s = t.untyped_storage()
+        key = s.data_ptr()
+        if key and key not in self.watched:
+            self.watched[key] = (StorageWeakRef(s), s.nbytes())
+            self.live += s.nbytes()
+
+    def _sweep(self) -> None:
+        for key in [k for k, (ref, _) in self.watched.items() if ref.expired()]:
+            self.live -= self.watched.pop(key)[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._sweep()
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+@contextmanager
+def measure_peak():
+    """with measure_peak() as m: ...; then m.peak, m.start: bytes of live tensors."""
+    gc.collect()
+    mode = LiveBytes()
+    with mode:
+        yield mode
+    mode._sweep()
+
+
+def gib(x: float) -> str:
+    return f"{x / GB:.2f} GB" if x >= 0.1 * GB else f"{x / 2**20:.1f} MiB"
+
+
+def round_up(x: float, m: float) -> float:
+    return math.ceil(x / m) * m
