@@ -34,16 +34,28 @@ import torch
 import torch.distributed as dist
 
 
+def parse_fault(spec: str | None) -> tuple[str, int, int] | None:
+    """MINIDIST_FAULT's (point, step, rank), or None when unset; ValueError, saying the
+    expected form, when malformed (train_gpt checks it at start, not when it would fire)."""
+    if not spec:
+        return None
+    parts = spec.split(":")
+    if len(parts) != 4 or parts[0] != "kill" or parts[1] not in ("step", "save") \
+            or not all(p.isdigit() for p in parts[2:]):
+        raise ValueError(f"MINIDIST_FAULT={spec!r} is not kill:step|save:STEP:RANK "
+                         "(e.g. kill:step:30:1); unset it to run without a fault")
+    return parts[1], int(parts[2]), int(parts[3])
+
+
 def inject_fault(point: str, step: int, rank: int) -> None:
     """MINIDIST_FAULT="kill:POINT:STEP:RANK" SIGKILLs rank RANK at POINT ("step": after
     optimizer step STEP; "save": while saving step STEP, after its shard is written and
     before the checkpoint is complete). Only the first attempt of a torchrun job is
     killed, so the restarted one runs through. Unset, it does nothing."""
-    spec = os.environ.get("MINIDIST_FAULT")
-    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    fault = parse_fault(os.environ.get("MINIDIST_FAULT"))
+    if not fault or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
-    kind, where, at_step, at_rank = spec.split(":")
-    if kind == "kill" and where == point and int(at_step) == step and int(at_rank) == rank:
+    if fault == (point, step, rank):
         print(f"[minidist] injected fault: SIGKILL rank {rank} at {point} {step}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -125,12 +137,14 @@ class _Tracer:
         return f"{what} at {where}"
 
 
-def trace_collectives(timeout_s: float = 60.0) -> None:
+def trace_collectives(timeout_s: float | None = None) -> None:
     """Debug mode: check every collective on the default group against every peer's
-    (call after the process group exists, on every rank). stop_tracing() undoes it."""
+    (call after the process group exists, on every rank). A peer is waited for timeout_s,
+    by default MINIDIST_TIMEOUT (as the process group's collectives are) or 60 s.
+    stop_tracing() undoes it."""
     if _originals:
         return
-    tracer = _Tracer(timeout_s)
+    tracer = _Tracer(timeout_s or float(os.environ.get("MINIDIST_TIMEOUT", 60)))
     for name in TRACED:
         fn = getattr(dist, name)
         _originals[name] = fn

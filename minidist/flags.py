@@ -9,11 +9,17 @@ process-group work, so that a bad flag costs nothing and hangs nothing. Chapter 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import os
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from minidist import checkpoint, data
+from minidist import checkpoint, data, faults
 from minidist.model import PRESETS
 from minidist.scaler import LossScaler
 
@@ -105,8 +111,16 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
     for k, v in AUTO[args.device].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    context = PRESETS[args.preset]["block_size"]
     if args.seq_len is None:
-        args.seq_len = PRESETS[args.preset]["block_size"]
+        args.seq_len = context
+    if args.seq_len > context:  # the position table would grow: another model, not a longer run
+        p.error(f"--seq-len {args.seq_len} is longer than the {args.preset} preset's context "
+                f"({context} tokens): use --seq-len <= {context}, or a preset with a longer context")
+    _check_numbers(p, args)
+    for k in ("n_layer", "n_head", "n_embd"):  # resolved: `--n-layer 4` on tiny is tiny
+        if getattr(args, k) is None:
+            setattr(args, k, PRESETS[args.preset][k])
     for k in ("batch_size", "steps", "seq_len", "eval_interval", "log_interval", "eval_windows",
               "final_eval_windows"):
         if getattr(args, k) is not None and getattr(args, k) < 1:
@@ -126,11 +140,19 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
         make_scaler(args)
     except ValueError as e:
         p.error(f"loss scaling: {e}")
+    if args.zero_stage and args.dp != "bucketed":  # (bucketed is the default)
+        p.error(f"--dp {args.dp} with --zero-stage {args.zero_stage}: ZeRO does its own gradient "
+                "averaging (reduce-scatters during backward); drop --dp, or use --zero-stage 0")
     if args.zero_stage and args.optimizer == "muon":
         p.error("--optimizer muon with --zero-stage > 0: Muon needs each gradient matrix whole "
                 "and already shards its own momentum over ranks; use --zero-stage 0 with muon")
     if args.checkpoint_every < 0 or args.keep_checkpoints < 1:
         p.error("--checkpoint-every must be >= 0 and --keep-checkpoints >= 1")
+    _check_out_dir(p, Path(args.out_dir))
+    try:
+        faults.parse_fault(os.environ.get("MINIDIST_FAULT"))
+    except ValueError as e:
+        p.error(str(e))
     root = Path(args.out_dir) / "checkpoints"
     if args.resume is None and args.checkpoint_every and checkpoint.latest(root):
         p.error(f"{root} holds checkpoints of an earlier run: --resume auto continues it; "
@@ -143,34 +165,106 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
     if bool(args.data) != bool(args.val_data):
         p.error("--data and --val-data go together: give both or neither")
     try:
-        data.get_tokenizer(args.tokenizer)
+        vocab = data.get_tokenizer(args.tokenizer).n_vocab
         if args.data is None:
             data.corpus_dir()
         else:
-            for pattern in (args.data, args.val_data):
-                data.TokenLoader(pattern, args.seq_len, world_size, 0, world_size)  # reads headers
+            for pattern in (args.data, args.val_data):  # reads the headers, checks the ids
+                data.TokenLoader(pattern, args.seq_len, world_size, 0, world_size, vocab_size=vocab)
     except (ValueError, ImportError, FileNotFoundError) as e:
         p.error(str(e))
     return args
 
 
-def find_resume(resume: str | None, root, settings: dict, may_change=()) -> Path | None:
-    """The checkpoint a run should resume from: resume="auto", the newest under `root` (None
-    if there is none yet: a first start); a path, that checkpoint; None, nothing. Raises
-    ValueError, before any work, if it was saved with other `settings` than these (keys in
-    `may_change` may differ: how the run is spread, not what it computes)."""
-    if resume is None:
-        return None
-    path = checkpoint.latest(root) if resume == "auto" else Path(resume)
-    if path is None:
-        return None
-    saved = checkpoint.read_meta(path)["extra"].get("settings", {})
-    changed = [f"{k}: {saved[k]!r} saved, {v!r} now" for k, v in settings.items()
+def _check_numbers(p, args) -> None:
+    """Every number on the command line is finite (argparse takes "nan" and "inf" as
+    floats) and none is negative; a few have an upper bound too."""
+    for action in p._actions:
+        v = getattr(args, action.dest, None)
+        if action.type in (int, float) and v is not None and (not math.isfinite(v) or v < 0):
+            p.error(f"{action.option_strings[0]} must be a finite number >= 0, got {v}")
+    if args.dropout >= 1 or args.muon_momentum >= 1 or args.min_lr_ratio > 1:
+        p.error(f"--dropout and --muon-momentum must be < 1 and --min-lr-ratio <= 1, got "
+                f"{args.dropout}, {args.muon_momentum} and {args.min_lr_ratio}")
+
+
+def _check_out_dir(p, out: Path) -> None:
+    """--out-dir is (or can be made) a folder this process can write: found now, not
+    after the whole run."""
+    if out.exists() and not out.is_dir():
+        p.error(f"--out-dir {out} is a file, not a folder: name a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()  # a write, really tried
+    except OSError as e:
+        p.error(f"--out-dir {out} cannot be written ({e.strerror or e}): choose another folder")
+
+
+def _resolved(settings: dict) -> dict:
+    """Model sizes as the run builds them (a checkpoint of an older run may hold None)."""
+    preset = PRESETS.get(settings.get("preset"), {})
+    return {k: preset.get(k) if v is None and k in ("n_layer", "n_head", "n_embd") else v
+            for k, v in settings.items()}
+
+
+def _same_settings(path: Path, settings: dict, may_change) -> None:
+    saved = _resolved(checkpoint.read_meta(path)["extra"].get("settings", {}))
+    changed = [f"{k}: {saved[k]!r} saved, {v!r} now" for k, v in _resolved(settings).items()
                if k in saved and k not in may_change and saved[k] != v]
     if changed:
         raise ValueError(f"{path} was saved by a run with other settings ({'; '.join(changed)}): "
                          "resume with the same ones, or start over in another folder")
-    return path
+
+
+def find_resume(resume: str | None, root, settings: dict, may_change=()) -> Path | None:
+    """The checkpoint a run should resume from: resume="auto", the newest intact one under
+    `root` (None if there is none yet: a first start; a damaged, incomplete or unreadable
+    one is skipped with one line, so a restarted job does not fail the same way on every
+    attempt); a path, that checkpoint, which must be intact; None, nothing. Raises
+    ValueError, before any work, if it was saved with other `settings` than these (keys in
+    `may_change` may differ: how the run is spread, not what it computes)."""
+    if resume is None:
+        return None
+    if resume != "auto":
+        _same_settings(Path(resume), settings, may_change)
+        bad = checkpoint.verify(resume)
+        if bad:
+            raise ValueError(f"{bad[0]}: this checkpoint is damaged; resume from an earlier one "
+                             "(--resume auto picks the newest intact one)")
+        return Path(resume)
+    found = checkpoint.list_checkpoints(root)
+    for path in reversed(found):
+        try:
+            _same_settings(path, settings, may_change)
+            bad = checkpoint.verify(path)
+        except checkpoint.CheckpointError as e:  # (other settings: a ValueError, raised)
+            bad = [str(e)]
+        if not bad:
+            return path
+        if os.environ.get("RANK", "0") == "0":  # one line, not one per rank
+            print(f"--resume auto: skipping {path.name}, damaged ({bad[0]})", file=sys.stderr)
+    if found:
+        raise ValueError(f"every checkpoint in {root} is damaged ({len(found)}): delete them, or "
+                         "use another --out-dir, to start over")
+    return None
+
+
+def agree_across_ranks(settings: dict) -> None:
+    """Every rank compares its resolved settings with every other's (one all_gather of
+    a few KB, at start-up): ranks given different flags, say on two nodes, would train
+    diverged replicas or hang in a collective. On a difference, every rank raises the
+    same error at once, naming the settings and the ranks."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, json.dumps(settings, sort_keys=True, default=str))
+    ranks = [json.loads(s) for s in everyone]
+    diffs = [f"--{k.replace('_', '-')}: {ranks[0].get(k)!r} on rank 0, {r.get(k)!r} on rank {i}"
+             for i, r in enumerate(ranks) for k in sorted(set(r) | set(ranks[0]))
+             if r.get(k) != ranks[0].get(k)]
+    if diffs:
+        raise ValueError("the ranks were started with different settings: " + "; ".join(diffs[:10])
+                         + ". Start every rank (every node) with the same flags")
 
 
 def make_scaler(args) -> LossScaler:

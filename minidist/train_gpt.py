@@ -16,7 +16,6 @@ line per logged step and writes metrics.jsonl, loss.png and summary.json to --ou
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -28,7 +27,7 @@ import torch.distributed as dist
 from minidist import checkpoint, data, faults, metrics
 from minidist.ddp import DDP, allreduce_gradients_flat, allreduce_gradients_naive, broadcast_module
 from minidist.dist import cleanup, init
-from minidist.flags import build_parser, make_scaler, resolve_args
+from minidist.flags import agree_across_ranks, build_parser, make_scaler, resolve_args
 from minidist.model import GPT, PRESETS, GPTConfig, flops_per_token, num_params
 from minidist.train import evaluate, forward_backward, lr_at, make_optimizers
 
@@ -44,6 +43,7 @@ def main(argv=None) -> dict:
         data.prepare_shakespeare(root, args.tokenizer)
         train_glob, val_glob = f"{root}/train_*.bin", f"{root}/val_*.bin"
     info = init(device=args.device)
+    agree_across_ranks(vars(args))  # ranks started with different flags fail here, together
     if args.debug_collectives:
         faults.trace_collectives()
     log = print if info.is_main else (lambda *a, **k: None)
@@ -84,6 +84,8 @@ def main(argv=None) -> dict:
         if not meta["rng_restored"]:  # another world size: fresh RNG streams, reproducibly
             torch.manual_seed(args.seed + start)
         log(f"resumed from {args.resume} at step {start} (saved by {meta['world_size']} ranks)")
+    rows = metrics.MetricsFile(out / "metrics.jsonl", rows, write=info.is_main)  # appended as it goes
+    watch = metrics.LossWatch(args)  # a loss non-finite for steps in a row stops the run
     tput, t_start = metrics.Throughput(), time.perf_counter()
     for step in range(start, args.steps):
         lr = lr_at(step, args)
@@ -102,6 +104,7 @@ def main(argv=None) -> dict:
             scaler.step(o)  # skipped if a gradient overflowed on any rank
             o.zero_grad(set_to_none=True)
         scaler.update()
+        watch.check(step + 1, loss)
         tput.add(args.batch_size * args.seq_len)
 
         last = step == args.steps - 1
@@ -144,11 +147,9 @@ def main(argv=None) -> dict:
     summary["sample"] = sample = enc.decode(model.generate(
         prompt, args.sample_tokens, temperature=0.8, top_k=50, generator=g)[0, 1:].tolist())
     if info.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / "metrics.jsonl", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+        rows.close()
         metrics.plot_losses(rows, out / "loss.png")
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        (out / "summary.json").write_text(metrics.to_json(summary, indent=1))  # NaN: null
         log(f"final | val loss {val_loss:.4f} nats/token | {bpb:.3f} bits/byte | "
             f"trained {train_s:.0f}s\n--- sample ---\n{sample}\n--- "
             f"metrics.jsonl, loss.png, summary.json in {out}/")
