@@ -6,24 +6,22 @@
     pytest tests/test_muon.py
 
 Muon (Jordan et al., 2024) updates each hidden weight matrix W with the momentum of its
-gradient made orthogonal: M = U S V^T becomes U V^T, every singular value set to 1. The
-step then moves W the same distance along every direction the gradient points in,
-instead of mostly along the few directions with large singular values. Computing U V^T by
-an SVD is slow on accelerators; a few matrix products are fast, so Muon runs five steps
-of an odd polynomial iteration, X <- a X + b (X X^T) X + c (X X^T)^2 X, which acts on each
-singular value s as p(s) = a s + b s^3 + c s^5 and leaves U and V alone. With Keller
-Jordan's coefficients (3.4445, -4.7750, 2.0315) the slope at 0 is 3.4445, so small
-singular values grow fast; the price is that they end in a band around 1 (about 0.7 to
-1.1, chapter 07 measures it) rather than at exactly 1, which training does not mind.
+gradient made orthogonal: M = U S V^T becomes (nearly) U V^T, every singular value set
+to about 1, so the step moves W the same distance along every direction the gradient
+points in, instead of mostly along the few with large singular values. The
+orthogonalisation is minidist/newton_schulz.py's few matrix products.
 
 Distributed: every rank holds the same averaged gradients (data parallelism), so every
-rank could orthogonalise every matrix, N times the same work. Instead each matrix gets an
-owner rank; only the owner keeps its momentum (1/N of the optimizer state per rank) and
-runs its Newton-Schulz; the orthogonalised updates reach every rank by all-gathers, each
-carrying a bucket of a few rounds' updates and started asynchronously so the next
-matrices' work overlaps the transfer. Matrices are sorted by
-cost and dealt out in rounds of N, one per rank, so a round's matrices are alike in size
-(the work is balanced and the all-gather pads little).
+rank could orthogonalise every matrix, N times the same work. Instead each matrix has an
+owner rank: the owner keeps its momentum (1/N of the optimizer state per rank) and
+computes its update, and one all-gather per round of N matrices hands every rank every
+update. Matrices are dealt out by cost, largest first, one per rank per round, so a
+round's matrices are alike in size. Rounds travel packed in buckets of about 4 MB (the
+helpers under "packing" below), each all-gather started asynchronously so that the next
+bucket's Newton-Schulz runs while it is on the wire.
+
+Which parameters belong to Muon is decided once (split_params) and checked after the
+first step (check_routing): a wrong routing trains silently with the wrong optimizer.
 """
 
 from __future__ import annotations
@@ -34,32 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+from minidist.newton_schulz import NS_COEFFICIENTS, newton_schulz, newton_schulz_many, schedule
 
-
-def newton_schulz(G: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16,
-                  eps: float = 1e-7) -> torch.Tensor:
-    """Approximately U V^T for G = U S V^T, over the last two dimensions (leading ones are
-    a batch). Runs in `dtype` (bf16: fast on tensor cores and on CPUs with AMX; fp32 on
-    request) and returns that dtype."""
-    if G.dim() < 2:
-        raise ValueError(f"newton_schulz needs a matrix (or a batch of them), got shape {tuple(G.shape)}")
-    a, b, c = NS_COEFFICIENTS
-    X = G.to(dtype)
-    tall = X.size(-2) > X.size(-1)
-    if tall:  # iterate on the wide side: X X^T is then the smaller Gram matrix
-        X = X.mT
-    batch_shape = X.shape[:-2]
-    X = X.reshape(-1, *X.shape[-2:])  # (batch, m, n), m <= n
-    # Frobenius norm >= spectral norm, so dividing puts every singular value in [0, 1],
-    # where the polynomial is designed to work (eps guards an all-zero matrix)
-    X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
-    for _ in range(steps):
-        A = torch.bmm(X, X.mT)  # Gram matrix, m x m (bmm: `@` on 3-D bf16 is slow on CPU)
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A^2
-        X = torch.baddbmm(X, B, X, beta=a)  # a X + B X
-    X = X.reshape(*batch_shape, *X.shape[-2:])
-    return X.mT if tall else X
+__all__ = ["NS_COEFFICIENTS", "newton_schulz", "adjust_lr", "Muon", "split_params", "check_routing"]
 
 
 def adjust_lr(lr: float, shape, how: str | None = None) -> float:
@@ -80,43 +55,73 @@ def adjust_lr(lr: float, shape, how: str | None = None) -> float:
 class Muon(torch.optim.Optimizer):
     """Muon for 2-D parameters, as torch.optim.Muon, spread over ranks when a process group
     of more than one rank exists (or `group` is given). `ns_dtype` is the Newton-Schulz
-    precision. In a distributed run, call step() on every rank (it is a collective);
-    `bucket_mb` is how many bytes of updates each all-gather carries (at least one round)."""
+    precision, `ns_coefficients` "jordan" (torch's), "polar_express" or a tuple (a, b, c).
+    `batched`: matrices of one shape are orthogonalised in one batched chain (on this CPU
+    the same bits as one by one; `batched=False` is the one-by-one path). In a distributed
+    run, call step() on every rank (it is a collective); `bucket_mb` is about how many
+    bytes of updates each all-gather carries (at least one round)."""
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                  weight_decay: float = 0.0, ns_steps: int = 5, adjust_lr_fn: str | None = None,
-                 ns_dtype: torch.dtype = torch.bfloat16, group=None, bucket_mb: float = 4.0):
+                 ns_dtype: torch.dtype = torch.bfloat16, group=None, bucket_mb: float = 4.0,
+                 ns_coefficients="jordan", batched: bool = True):
         if lr < 0 or not 0 <= momentum < 1 or weight_decay < 0 or ns_steps < 1:
             raise ValueError(f"need lr >= 0, 0 <= momentum < 1, weight_decay >= 0, ns_steps >= 1; "
                              f"got {lr}, {momentum}, {weight_decay}, {ns_steps}")
         adjust_lr(1.0, (1, 1), adjust_lr_fn)  # rejects an unknown name now, not at step 1
+        schedule(ns_coefficients, ns_steps)  # likewise an unknown coefficient choice
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-                        ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+                        ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn, ns_coefficients=ns_coefficients)
         super().__init__(params, defaults)
         for g in self.param_groups:
             for p in g["params"]:
                 if p.dim() != 2:
                     raise ValueError(f"Muon is for 2-D weight matrices; got a parameter of shape "
                                      f"{tuple(p.shape)}: give it to AdamW (see muon.split_params)")
-        self.ns_dtype, self.group, self.bucket_mb = ns_dtype, group, bucket_mb
+        self.ns_dtype, self.group, self.bucket_mb, self.batched = ns_dtype, group, bucket_mb, batched
+        self.steps_taken = 0  # check_routing reads it: did Muon run at all?
 
     def _world(self) -> tuple[int, int]:
         if self.group is None and not (dist.is_available() and dist.is_initialized()):
             return 0, 1
         return dist.get_rank(self.group), dist.get_world_size(self.group)
 
-    def _update(self, p: torch.Tensor, g: dict) -> torch.Tensor:
-        """Momentum (an exponential moving average of gradients; Nesterov looks one step
-        ahead), then its orthogonalisation. Only the owner of p runs this."""
+    # ------------------------------------------------------------ the owner's work
+
+    def _momentum(self, p: torch.Tensor, g: dict) -> torch.Tensor:
+        """Update p's momentum (an exponential moving average of gradients) and return the
+        matrix to orthogonalise (Nesterov looks one step ahead). Only p's owner runs this."""
         buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
         buf.lerp_(p.grad, 1 - g["momentum"])  # buf = m buf + (1 - m) grad
-        m = p.grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
-        return newton_schulz(m, g["ns_steps"], self.ns_dtype)
+        return p.grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
+
+    def _update(self, p: torch.Tensor, g: dict) -> torch.Tensor:
+        """One matrix's update, the simple form: momentum, then Newton-Schulz."""
+        return newton_schulz(self._momentum(p, g), g["ns_steps"], self.ns_dtype,
+                             coefficients=g["ns_coefficients"])
+
+    def _updates(self, pairs: list) -> list[torch.Tensor]:
+        """The updates of [(p, group)], batched by shape among matrices that share their
+        group's Newton-Schulz settings (or one by one with batched=False)."""
+        if not self.batched:
+            return [self._update(p, g) for p, g in pairs]
+        out, same = [None] * len(pairs), {}
+        for k, (p, g) in enumerate(pairs):
+            c = g["ns_coefficients"]
+            same.setdefault((g["ns_steps"], c if isinstance(c, str) else tuple(c)), []).append(k)
+        for (steps, coefficients), ks in same.items():
+            momenta = [self._momentum(*pairs[k]) for k in ks]
+            for k, O in zip(ks, newton_schulz_many(momenta, steps, self.ns_dtype,
+                                                   coefficients=coefficients)):
+                out[k] = O
+        return out
 
     @staticmethod
     def _apply(p: torch.Tensor, update: torch.Tensor, g: dict) -> None:
         p.mul_(1 - g["lr"] * g["weight_decay"])  # decoupled weight decay
         p.add_(update.view_as(p), alpha=-adjust_lr(g["lr"], p.shape, g["adjust_lr_fn"]))
+
+    # ------------------------------------------------------------ who owns what
 
     @staticmethod
     def _deal(items: list) -> list[int]:
@@ -131,76 +136,174 @@ class Muon(torch.optim.Optimizer):
         items = [(p, g) for g in self.param_groups for p in g["params"]]
         return {id(items[i][0]): j % world for j, i in enumerate(self._deal(items))}
 
+    def state_pieces(self) -> tuple[list, list]:
+        """What this rank holds, for minidist.checkpoint: the state (the momentum) of the
+        matrices it owns, whole: (p, 0, p, 0, p.numel()); the parameters themselves are
+        whole on every rank (no pieces)."""
+        rank, _ = self._world()
+        owners = self.owners()
+        return [(p, 0, p, 0, p.numel()) for g in self.param_groups for p in g["params"]
+                if owners[id(p)] == rank], []
+
+    # ------------------------------------------------------------ the step
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.steps_taken += 1
         rank, world = self._world()
         items = [(p, g) for g in self.param_groups for p in g["params"]]
         if world == 1:
-            for p, g in items:
-                if p.grad is not None:
-                    self._apply(p, self._update(p, g), g)
+            todo = [(p, g) for p, g in items if p.grad is not None]
+            for (p, g), update in zip(todo, self._updates(todo)):
+                self._apply(p, update, g)
             return loss
-        order = self._deal(items)
-        # Each round gives every rank one slot: [has_update, update (flattened), padding].
-        # Rounds are packed into buckets of about bucket_mb, one asynchronous all-gather
-        # per bucket: few collectives (each has a fixed latency), and the next bucket's
-        # Newton-Schulz runs while the last one's all-gather is on the wire.
-        pending, slots, parts = [], [], []
-        device = items[0][0].device
-
-        def flush():
-            send = torch.cat(parts)
-            recv = torch.empty(world * send.numel(), dtype=send.dtype, device=device)
-            work = dist.all_gather_single(recv, send, group=self.group, async_op=True)
-            pending.append((list(slots), recv.view(world, -1), work))
-            slots.clear(), parts.clear()
-
-        for start in range(0, len(order), world):
-            round_ = order[start:start + world]
-            send = torch.zeros(1 + max(items[i][0].numel() for i in round_), dtype=self.ns_dtype,
-                               device=device)
-            if rank < len(round_):
-                p, g = items[round_[rank]]
-                if p.grad is not None:  # no gradient: the owner still joins, sending "none"
-                    send[0] = 1
-                    send[1:1 + p.numel()] = self._update(p, g).flatten()
-            slots.append((round_, sum(t.numel() for t in parts), send.numel()))
-            parts.append(send)
-            if sum(t.numel() * t.element_size() for t in parts) >= self.bucket_mb * 2**20:
-                flush()
-        if parts:
-            flush()
-        for bucket, recv, work in pending:
+        # N ranks. The owner computes: in each bucket of rounds, the matrices this rank
+        # owns (those with a gradient), batched by shape. One all-gather per bucket then
+        # hands every rank every owner's updates; it runs while the next bucket computes.
+        in_flight = []
+        for bucket in _plan(items, self._deal(items), world, self.bucket_mb * 2**20, self.ns_dtype):
+            mine = [i for i in bucket.owned_by(rank) if items[i][0].grad is not None]
+            updates = dict(zip(mine, self._updates([items[i] for i in mine])))
+            send = bucket.pack(rank, updates, self.ns_dtype, items[0][0].device)
+            in_flight.append((bucket, _all_gather_async(send, world, self.group)))
+        # Every rank applies every update, in the same order, to the same values.
+        for bucket, (recv, work) in in_flight:
             work.wait()
-            for round_, offset, size in bucket:
-                for owner, i in enumerate(round_):  # rank `owner` computed matrix i
-                    buf, (p, g) = recv[owner, offset:offset + size], items[i]
-                    if buf[0] == 1:
-                        self._apply(p, buf[1:1 + p.numel()], g)
+            for i, update in bucket.unpack(recv, items):
+                self._apply(items[i][0], update, items[i][1])
         return loss
 
 
-def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(Muon's parameters, AdamW's): hidden 2-D weight matrices go to Muon; embeddings,
-    the output head (tied to the token embedding in minidist's GPT), LayerNorm gains and
-    biases go to AdamW. An embedding is a lookup table, not a linear map acting on its
-    input, so orthogonalising its update has no meaning; the head's rows each meet one
-    token's loss, and the Muon authors found AdamW better for both."""
-    not_hidden = set()
-    for mod in model.modules():
-        if isinstance(mod, nn.Embedding):
-            not_hidden |= {id(p) for p in mod.parameters()}
+# ---------------------------------------------------------------- packing: rounds into buckets
+
+class _Bucket:
+    """Consecutive rounds whose updates travel in one all-gather. Each rank's part has one
+    slot per round, [has_update, update (flattened), padding], as long as the round's
+    largest matrix plus one: the layout depends on shapes only, so every rank computes the
+    same one, and 'no update' (a matrix without a gradient, a rank that owns nothing in
+    the last round) travels as data, flag 0, without anyone skipping a collective."""
+
+    def __init__(self, rounds: list[list[int]], items: list):
+        self.rounds, self.slots, offset = rounds, [], 0  # slots: (offset, size) per round
+        for round_ in rounds:
+            size = 1 + max(items[i][0].numel() for i in round_)
+            self.slots.append((offset, size))
+            offset += size
+        self.numel = offset
+
+    def owned_by(self, rank: int) -> list[int]:
+        return [round_[rank] for round_ in self.rounds if rank < len(round_)]
+
+    def pack(self, rank: int, updates: dict, dtype, device) -> torch.Tensor:
+        """This rank's part: its updates (item index -> tensor) in their slots."""
+        send = torch.zeros(self.numel, dtype=dtype, device=device)
+        for round_, (offset, _) in zip(self.rounds, self.slots):
+            if rank < len(round_) and round_[rank] in updates:
+                update = updates[round_[rank]].flatten()
+                send[offset] = 1
+                send[offset + 1:offset + 1 + update.numel()] = update
+        return send
+
+    def unpack(self, recv: torch.Tensor, items: list):
+        """(item index, update) for every slot of every rank whose flag is set."""
+        flags = recv[:, [offset for offset, _ in self.slots]].tolist()  # one read, not one per slot
+        for k, (round_, (offset, _)) in enumerate(zip(self.rounds, self.slots)):
+            for owner, i in enumerate(round_):  # rank `owner` computed matrix i
+                if flags[owner][k] == 1:
+                    yield i, recv[owner, offset + 1:offset + 1 + items[i][0].numel()]
+
+
+def _plan(items: list, order: list[int], world: int, bucket_bytes: float, dtype) -> list[_Bucket]:
+    """The dealt order cut into rounds of `world`, the rounds packed into buckets of about
+    bucket_bytes per rank's part (a few collectives: each has a fixed latency)."""
+    rounds = [order[s:s + world] for s in range(0, len(order), world)]
+    buckets, current, size = [], [], 0
+    for round_ in rounds:
+        current.append(round_)
+        size += (1 + max(items[i][0].numel() for i in round_)) * dtype.itemsize
+        if size >= bucket_bytes:
+            buckets.append(_Bucket(current, items))
+            current, size = [], 0
+    if current:
+        buckets.append(_Bucket(current, items))
+    return buckets
+
+
+def _all_gather_async(send: torch.Tensor, world: int, group):
+    """(recv viewed as (world, len(send)), the work to wait for)."""
+    recv = torch.empty(world * send.numel(), dtype=send.dtype, device=send.device)
+    work = dist.all_gather_single(recv, send, group=group, async_op=True)
+    return recv.view(world, -1), work
+
+
+# ---------------------------------------------------------------- routing: which parameters are Muon's
+
+def hidden_matrices(model: nn.Module) -> dict[int, str]:
+    """id -> name of the parameters meant for Muon, judged by what holds them rather than
+    by the shape they have now (a flattened or sharded copy of a matrix is still one): the
+    weight of every nn.Linear and any other 2-D parameter, except embeddings and the
+    output head (lm_head; in minidist's GPT tied to the token embedding). An embedding is
+    a lookup table, not a linear map on its input, so orthogonalising its update has no
+    meaning; the head's rows each meet one token's loss; the Muon authors found AdamW
+    better for both. Gains and biases are vectors: AdamW."""
+    skip = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     head = getattr(model, "lm_head", None)
     if isinstance(head, nn.Module):
-        not_hidden |= {id(p) for p in head.parameters()}
-    muon, other, seen = [], [], set()
-    for p in model.parameters():  # each parameter once, even when tied
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        (muon if p.dim() == 2 and id(p) not in not_hidden else other).append(p)
+        skip |= {id(p) for p in head.parameters()}
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    return {id(p): n for n, p in model.named_parameters()  # a tied parameter comes once
+            if id(p) not in skip and (id(p) in linear or p.dim() == 2)}
+
+
+def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(Muon's parameters, AdamW's): the hidden matrices (hidden_matrices) and the rest.
+    Refuses a hidden matrix that is not 2-D any more: split while parameters are whole."""
+    hidden = hidden_matrices(model)
+    muon, other = [], []
+    for name, p in model.named_parameters():
+        if id(p) in hidden and p.dim() != 2:
+            raise ValueError(f"split_params: {name} is a weight matrix but has shape {tuple(p.shape)} "
+                             "here (flattened or sharded?): split the parameters before any wrapper "
+                             "flattens them, so that Muon gets whole matrices")
+        (muon if id(p) in hidden else other).append(p)
     return muon, other
+
+
+def check_routing(model: nn.Module, optimizers) -> None:
+    """Call once after the first optimizer step that was taken: raises RuntimeError naming
+    each parameter that went to the wrong optimizer, unless every hidden matrix was held
+    and stepped by a Muon, by no other optimizer, and Muon held nothing else. Cheap: sets
+    of ids, no tensor is read. It catches the silent failures of chapter 07, section 4: a
+    flat 1-D shard or 1-D-looking parameters routed to AdamW by a shape rule, the
+    embedding or head routed to Muon by an `ndim >= 2` rule, and Muon never running."""
+    names = {id(p): (n, tuple(p.shape)) for n, p in model.named_parameters()}
+    hidden = hidden_matrices(model)
+    stepped_by_muon, held_elsewhere = set(), {}
+    muons = [o for o in optimizers if isinstance(o, Muon)]
+    for o in optimizers:
+        ids = {id(p) for g in o.param_groups for p in g["params"]}
+        if isinstance(o, Muon):
+            stepped_by_muon |= ids if o.steps_taken else set()
+        else:
+            held_elsewhere.update({i: type(o).__name__ for i in ids})
+    problems = []
+    for i, name in hidden.items():
+        shape = names[i][1]
+        flat = "" if len(shape) == 2 else f" (it is {len(shape)}-D here: route before flattening)"
+        if i in held_elsewhere:
+            problems.append(f"{name} {shape} is a hidden matrix but {held_elsewhere[i]} holds it{flat}")
+        elif i not in stepped_by_muon:
+            why = "no Muon was given" if not muons else "no Muon holding it has stepped"
+            problems.append(f"{name} {shape} is a hidden matrix and Muon did not update it ({why}){flat}")
+    for i in stepped_by_muon - hidden.keys():
+        name, shape = names.get(i, ("a parameter that is not the model's", ()))
+        problems.append(f"{name} {shape} was updated by Muon but is not a hidden matrix "
+                        "(embedding, head, gain or bias): give it to AdamW (minidist.muon.split_params)")
+    if problems:
+        more = f"\n  ... and {len(problems) - 5} more" if len(problems) > 5 else ""
+        raise RuntimeError("Muon routing check failed after the first step:\n  "
+                           + "\n  ".join(problems[:5]) + more)

@@ -21,7 +21,6 @@ from exercises import checks_07 as C7
 from exercises import grade as G
 from grading_helpers import assert_keys_name_each_check_once, failed_checks, message_of
 from minidist.muon import Muon as ReferenceMuon
-from minidist.muon import newton_schulz as reference_ns
 
 E7 = importlib.import_module("exercises.07_muon")  # its name starts with a digit
 A, B, C = C7.COEFFICIENTS
@@ -107,18 +106,16 @@ def ns_in_fp32(G, steps=5, dtype=torch.bfloat16, eps=1e-7):  # fp32 inside, dtyp
 # -- Muon mistakes, on minidist's Muon with one piece changed
 
 class PlainMomentumMuon(ReferenceMuon):  # nesterov ignored: always buf itself
-    def _update(self, p, g):
+    def _momentum(self, p, g):  # the matrix minidist's Muon orthogonalises (batched or not)
         buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
-        buf.lerp_(p.grad, 1 - g["momentum"])
-        return reference_ns(buf, g["ns_steps"], self.ns_dtype)
+        return buf.lerp_(p.grad, 1 - g["momentum"])
 
 
 class SummedMomentumMuon(ReferenceMuon):  # buf = momentum * buf + grad (torch's docstring)
-    def _update(self, p, g):
+    def _momentum(self, p, g):
         buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
         buf.mul_(g["momentum"]).add_(p.grad)
-        m = p.grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
-        return reference_ns(m, g["ns_steps"], self.ns_dtype)
+        return p.grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
 
 
 class EveryoneMuon(ReferenceMuon):  # every rank orthogonalises everything: right, not sharded

@@ -1,0 +1,141 @@
+"""Newton-Schulz: the orthogonalisation inside Muon, one matrix at a time or a batch of
+same-shaped matrices at once, with two coefficient choices. Chapter 07
+(chapters/07_muon.md), sections 2 and 2b. Exercised by:
+
+    pytest tests/test_muon.py
+    python -m minidist.newton_schulz      # the singular-value band and the batched speedup
+
+An odd polynomial step X <- a X + b (X X^T) X + c (X X^T)^2 X acts on each singular value
+s of X as p(s) = a s + b s^3 + c s^5 and leaves the singular vectors alone, so a few steps
+carry G = U S V^T towards U V^T with nothing but matrix products.
+
+Two coefficient choices:
+- "jordan": Keller Jordan's fixed quintic (3.4445, -4.7750, 2.0315), the same at every
+  step (torch.optim.Muon's default). Singular values end in a band around 1, not at 1.
+- "polar_express": a different quintic at each of the 5 steps, each the minimax-best for
+  the interval the previous steps left (Amsel, Persson, Musco, Gower, "The Polar Express:
+  Optimal Matrix Sign Methods and Their Application to the Muon Algorithm",
+  arXiv:2505.16932, 2025). The numbers are the published ones the modded-nanogpt speedrun
+  uses (computed for 5 steps, a safety factor of 2e-2 and a cushion of 2); with them the
+  input is divided by 1.02 times its Frobenius norm, the safety margin they assume.
+A tuple (a, b, c) is accepted too, as torch.optim.Muon's `ns_coefficients`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+JORDAN = (3.4445, -4.7750, 2.0315)
+NS_COEFFICIENTS = JORDAN  # the name chapter 07 and the exercise use for the default
+POLAR_EXPRESS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+POLAR_EXPRESS_MARGIN = 1.02  # divide by 1.02 ||G||_F: the safety factor the schedule was built for
+
+
+def schedule(coefficients="jordan", steps: int = 5) -> tuple[list[tuple[float, float, float]], float]:
+    """([(a, b, c) for each step], the margin the Frobenius norm is multiplied by)."""
+    if coefficients == "jordan":
+        return [JORDAN] * steps, 1.0
+    if coefficients == "polar_express":
+        if steps > len(POLAR_EXPRESS):
+            raise ValueError(f"the polar_express schedule has {len(POLAR_EXPRESS)} steps, got "
+                             f"steps={steps}: use ns_steps <= {len(POLAR_EXPRESS)} or 'jordan'")
+        return list(POLAR_EXPRESS[:steps]), POLAR_EXPRESS_MARGIN
+    if isinstance(coefficients, (tuple, list)) and len(coefficients) == 3:
+        return [tuple(float(c) for c in coefficients)] * steps, 1.0
+    raise ValueError(f"Newton-Schulz coefficients must be 'jordan', 'polar_express' or a tuple "
+                     f"(a, b, c), got {coefficients!r}")
+
+
+def newton_schulz(G: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bfloat16,
+                  eps: float = 1e-7, coefficients="jordan") -> torch.Tensor:
+    """Approximately U V^T for G = U S V^T, over the last two dimensions (leading ones are
+    a batch). Runs in `dtype` (bf16: fast on tensor cores and on CPUs with AMX; fp32 on
+    request) and returns that dtype."""
+    if G.dim() < 2:
+        raise ValueError(f"newton_schulz needs a matrix (or a batch of them), got shape {tuple(G.shape)}")
+    coefs, margin = schedule(coefficients, steps)
+    X = G.to(dtype)
+    tall = X.size(-2) > X.size(-1)
+    if tall:  # iterate on the wide side: X X^T is then the smaller Gram matrix
+        X = X.mT
+    batch_shape = X.shape[:-2]
+    X = X.reshape(-1, *X.shape[-2:])  # (batch, m, n), m <= n
+    # Frobenius norm >= spectral norm, so dividing puts every singular value in [0, 1],
+    # where the polynomial is designed to work (eps guards an all-zero matrix)
+    norm = X.norm(dim=(-2, -1), keepdim=True)
+    X = X / (norm if margin == 1.0 else norm * margin).clamp(min=eps)
+    for a, b, c in coefs:
+        A = torch.bmm(X, X.mT)  # Gram matrix, m x m (bmm: `@` on 3-D bf16 is slow on CPU)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A^2
+        X = torch.baddbmm(X, B, X, beta=a)  # a X + B X
+    X = X.reshape(*batch_shape, *X.shape[-2:])
+    return X.mT if tall else X
+
+
+def newton_schulz_many(matrices: list[torch.Tensor], steps: int = 5,
+                       dtype: torch.dtype = torch.bfloat16, eps: float = 1e-7,
+                       coefficients="jordan") -> list[torch.Tensor]:
+    """newton_schulz of each matrix, with one batched chain per shape group: matrices that
+    are the same once turned wide (an (m, n) and an (n, m) both iterate as (min, max)) are
+    stacked and orthogonalised together. Each keeps its own norm, so each result is
+    mathematically its own; the arithmetic per matrix is the same, and on this CPU the
+    bits are too (tests/test_muon.py), while a GPU's batched kernels may round differently."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, M in enumerate(matrices):
+        groups.setdefault((min(M.shape), max(M.shape)), []).append(i)
+    out: list[torch.Tensor | None] = [None] * len(matrices)
+    for idx in groups.values():
+        wide = [matrices[i].to(dtype) for i in idx]  # to dtype first, as newton_schulz does
+        wide = [M.mT if M.size(0) > M.size(1) else M for M in wide]
+        O = newton_schulz(torch.stack(wide), steps, dtype, eps, coefficients)
+        for k, i in enumerate(idx):
+            out[i] = O[k].mT if matrices[i].size(0) > matrices[i].size(1) else O[k]
+    return out
+
+
+def singular_value_band(shapes, coefficients="jordan", steps: int = 5, seed: int = 0,
+                        dtype: torch.dtype = torch.float32) -> tuple[float, float]:
+    """(smallest, largest) singular value after `steps` steps, over Gaussian random
+    matrices of the given shapes: the band a coefficient choice leaves them in."""
+    g = torch.Generator().manual_seed(seed)
+    sv = [torch.linalg.svdvals(newton_schulz(torch.randn(*s, generator=g), steps, dtype,
+                                             coefficients=coefficients).float()) for s in shapes]
+    sv = torch.cat(sv)
+    return sv.min().item(), sv.max().item()
+
+
+def time_batched(shapes, repeats: int = 15, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> dict:
+    """Median seconds to orthogonalise one matrix of each shape, one by one and batched by
+    shape (the work of one Muon step), for the benchmark."""
+    g = torch.Generator().manual_seed(seed)
+    Ms = [torch.randn(*s, generator=g) for s in shapes]
+    runs = {"per_matrix": lambda: [newton_schulz(M, 5, dtype) for M in Ms],
+            "batched": lambda: newton_schulz_many(Ms, 5, dtype)}
+    times = {k: [] for k in runs}
+    for _ in range(repeats):  # interleaved, so that a noisy moment hurts both alike
+        for k, fn in runs.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t)
+    med = {f"{k}_s": sorted(v)[len(v) // 2] for k, v in times.items()}
+    return {**med, "speedup": med["per_matrix_s"] / med["batched_s"]}
+
+
+if __name__ == "__main__":
+    from minidist.model import PRESETS
+    d, layers = PRESETS["tiny"]["n_embd"], PRESETS["tiny"]["n_layer"]
+    shapes = [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * layers  # train_gpt's CPU model
+    for name in ("jordan", "polar_express"):
+        lo, hi = singular_value_band(shapes, name)
+        print(f"{name:>13}: singular values after 5 steps (fp32) in [{lo:.3f}, {hi:.3f}]")
+    t = time_batched(shapes)
+    print(f"{len(shapes)} matrices, bf16: one by one {1e3 * t['per_matrix_s']:.2f} ms, batched "
+          f"by shape {1e3 * t['batched_s']:.2f} ms ({t['speedup']:.2f}x)")
