@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--muon-lr", type=float, default=0.02, help="Muon's peak learning rate (same schedule)")
     a("--muon-momentum", type=float, default=0.95)
     a("--muon-weight-decay", type=float, default=0.0)
+    a("--muon-ns-coefficients", default="jordan", choices=["jordan", "polar_express"],
+      help="Newton-Schulz coefficients: Keller Jordan's fixed quintic, or the Polar Express "
+           "schedule (a quintic per step; chapter 07)")
     a("--grad-clip", type=float, default=1.0, help="max global grad norm (0: off)")
     a("--tokenizer", help="gpt2 or gpt2-<V> (auto: gpt2-2048 on CPU, gpt2 on GPU)")
     a("--data", help="glob of llm.c .bin train shards (default: embedded Shakespeare)")

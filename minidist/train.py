@@ -37,7 +37,8 @@ def make_optimizers(model, args) -> list[torch.optim.Optimizer]:
         opts = [torch.optim.AdamW(groups, **adamw)]
     if hidden:
         opts.append(Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum,
-                         weight_decay=args.muon_weight_decay))
+                         weight_decay=args.muon_weight_decay,
+                         ns_coefficients=getattr(args, "muon_ns_coefficients", "jordan")))
     for g in (g for o in opts for g in o.param_groups):
         g["peak_lr"] = g["lr"]
     return opts

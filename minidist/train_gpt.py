@@ -29,6 +29,7 @@ from minidist.ddp import DDP, allreduce_gradients_flat, allreduce_gradients_naiv
 from minidist.dist import cleanup, init
 from minidist.flags import agree_across_ranks, build_parser, make_scaler, resolve_args
 from minidist.model import GPT, PRESETS, GPTConfig, flops_per_token, num_params
+from minidist.muon import check_routing
 from minidist.train import evaluate, forward_backward, lr_at, make_optimizers
 
 
@@ -87,6 +88,7 @@ def main(argv=None) -> dict:
     rows = metrics.MetricsFile(out / "metrics.jsonl", rows, write=info.is_main)  # appended as it goes
     watch = metrics.LossWatch(args)  # a loss non-finite for steps in a row stops the run
     tput, t_start = metrics.Throughput(), time.perf_counter()
+    check_muon_routing = args.optimizer == "muon"  # once, after the first step taken (ch. 07)
     for step in range(start, args.steps):
         lr = lr_at(step, args)
         for g in (g for o in opts for g in o.param_groups):
@@ -104,6 +106,9 @@ def main(argv=None) -> dict:
             scaler.step(o)  # skipped if a gradient overflowed on any rank
             o.zero_grad(set_to_none=True)
         scaler.update()
+        if check_muon_routing and not scaler.last_step_skipped:
+            check_routing(model, opts)  # each hidden matrix stepped by Muon, nothing else by it
+            check_muon_routing = False
         watch.check(step + 1, loss)
         tput.add(args.batch_size * args.seq_len)
 
