@@ -9,6 +9,11 @@ A program started by torchrun does not need this: torchrun starts the processes 
 it starts `world_size` processes, gives each the environment torchrun would, sets up the
 process group, runs `fn(*args)` there and hands back the return values, or re-raises the
 first failure with its rank.
+
+`Pool(world_size)` keeps such a group of processes alive across many calls: each
+`pool.run(fn, *args)` pays for no process start, no torch import and no rendezvous, which
+is most of a small launch's time. The test suite uses it where cases can share processes
+(tests/conftest.py); a failed call stops the pool, and the next call starts a fresh one.
 """
 
 from __future__ import annotations
@@ -45,8 +50,9 @@ def _dumps(obj) -> bytes:
     return cloudpickle.dumps(obj)
 
 
-def _child(rank, world_size, port, backend, device_type, timeout_s, payload, results):
-    import pickle
+def _child(rank, world_size, port, backend, device_type, timeout_s, payload, results, tasks=None):
+    """One process of a group: join it, then run `payload` (launch) or, for a Pool, each
+    payload that arrives on `tasks` until None does."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -58,22 +64,65 @@ def _child(rank, world_size, port, backend, device_type, timeout_s, payload, res
                               timeout=timedelta(seconds=timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout_s))
+    except BaseException as e:  # noqa: BLE001 - a failed start is reported like a failed call
+        _report(rank, results, e)
+        return
+    if tasks is None:
+        _run_one(rank, payload, results)
+    else:
+        fresh, calls = _state(), 0
+        while (payload := tasks.get()) is not None:
+            _restore(fresh)  # each call starts from the state of a fresh process
+            calls += 1
+            rejoin = None
+            if not dist.is_initialized():  # the last call left the group (train_gpt does)
+                rejoin = lambda: dist.init_process_group(  # noqa: E731
+                    backend, store=dist.PrefixStore(f"call_{calls}", store), rank=rank,
+                    world_size=world_size, timeout=timedelta(seconds=timeout_s))
+            _run_one(rank, payload, results, rejoin)
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def _run_one(rank, payload, results, rejoin=None):
+    import pickle
+    try:
+        if rejoin is not None:
+            rejoin()
         fn, args = pickle.loads(payload)
         out = fn(*args)
         results.put((rank, "ok", _dumps(out)))
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
-        tb = traceback.format_exc()
-        try:
-            blob = _dumps(e)
-        except Exception:  # an exception that will not pickle still reports its text
-            blob = None
-        results.put((rank, "error", (blob, tb, f"{type(e).__name__}: {e}")))
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+        _report(rank, results, e)
+
+
+def _report(rank, results, e):
+    tb = traceback.format_exc()
+    try:
+        blob = _dumps(e)
+    except Exception:  # an exception that will not pickle still reports its text
+        blob = None
+    results.put((rank, "error", (blob, tb, f"{type(e).__name__}: {e}")))
+
+
+def _state():
+    # What a call could change and the next one would inherit, were it not put back: the
+    # torch RNG (so no call's draws depend on which calls ran before it), the environment
+    # (MINIDIST_FAULT and the like), the thread count, the default dtype
+    return (torch.get_rng_state(), dict(os.environ), torch.get_num_threads(),
+            torch.get_default_dtype())
+
+
+def _restore(state):
+    rng, env, threads, dtype = state
+    torch.set_rng_state(rng)
+    os.environ.clear()
+    os.environ.update(env)
+    torch.set_num_threads(threads)
+    torch.set_default_dtype(dtype)
 
 
 def _reraise(rank: int, world_size: int, info):
@@ -87,6 +136,91 @@ def _reraise(rank: int, world_size: int, info):
         exc = LaunchError(f"{where} failed: {text}")
     exc.rank = rank
     raise exc from RemoteTraceback(f"\n\nTraceback on {where}:\n{tb}")
+
+
+def _backend(world_size, backend, device):
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if backend is None:
+        return pick_backend(world_size, device)
+    return backend, ("cuda" if backend == "nccl" else "cpu")
+
+
+def _start(world_size, backend, device_type, timeout_s, payload, pooled):
+    """(store, processes, results queue, task queues or None): a group of fresh processes."""
+    ctx = mp.get_context("spawn")  # fork would copy the parent's threads and CUDA state
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
+                          wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    results = ctx.Queue()
+    tasks = [ctx.SimpleQueue() for _ in range(world_size)] if pooled else None
+    procs = [ctx.Process(target=_child, daemon=True,
+                         args=(r, world_size, store.port, backend, device_type, timeout_s,
+                               payload, results, tasks[r] if pooled else None))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    return store, procs, results, tasks
+
+
+def _collect(procs, results, grace_s, deadline_s):
+    """Wait for one result from every rank: (outputs by rank, the first failure or None).
+    A failure is (rank, "error", info) | (rank, "died", exit code) | (rank, "deadline", s)."""
+    world_size = len(procs)
+    outputs, failure, failed_at, reported = {}, None, None, set()
+    t_end = None if deadline_s is None else time.monotonic() + deadline_s
+    while len(outputs) < world_size:
+        if failure is not None and time.monotonic() - failed_at > grace_s:
+            break
+        if t_end is not None and time.monotonic() > t_end and failure is None:
+            late = [r for r in range(world_size) if r not in outputs]
+            return outputs, (late[0], "deadline", deadline_s)
+        try:
+            rank, status, blob = results.get(timeout=0.2)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs)
+                    if p.exitcode is not None and r not in outputs]
+            if dead and failure is None:
+                time.sleep(0.5)  # its report may still be in the queue
+                if results.empty():
+                    failure = (dead[0], "died", procs[dead[0]].exitcode)
+                    failed_at = time.monotonic()
+            continue
+        if status == "ok":
+            import pickle
+            outputs[rank] = pickle.loads(blob)
+        elif failure is None or failure[1] == "died":
+            failure, failed_at = (rank, status, blob), time.monotonic()
+        else:
+            outputs[rank] = None  # a later failure, most likely a consequence
+        reported.add(rank)
+    # A child that died without a report is the likeliest root cause: the others'
+    # errors ("connection closed by peer") are usually its consequence.
+    silent = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in reported]
+    if silent:
+        failure = (silent[0], "died", procs[silent[0]].exitcode)
+    return outputs, failure
+
+
+def _stop(procs, results, wait_s):
+    for p in procs:
+        p.join(timeout=wait_s)
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+    results.close()
+
+
+def _raise(failure, world_size):
+    rank, status, info = failure
+    if status == "deadline":
+        raise LaunchError(f"rank {rank} of {world_size} was still running after the "
+                          f"deadline of {info:.0f}s and was stopped")
+    if status == "died":
+        raise LaunchError(f"rank {rank} of {world_size} exited with code {info} without "
+                          "reporting an error (killed, out of memory, or os._exit?)")
+    _reraise(rank, world_size, info)
 
 
 def launch(fn, world_size: int, *args, backend: str | None = None, device: str | None = None,
@@ -105,73 +239,75 @@ def launch(fn, world_size: int, *args, backend: str | None = None, device: str |
     the whole call: past it the processes are stopped and LaunchError says so (a loop that
     never ends involves no collective, so only a deadline can catch it).
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if backend is None:
-        backend, device_type = pick_backend(world_size, device)
-    else:
-        device_type = "cuda" if backend == "nccl" else "cpu"
-    ctx = mp.get_context("spawn")  # fork would copy the parent's threads and CUDA state
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
-                          wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
-    results = ctx.Queue()
-    payload = _dumps((fn, args))
-    procs = [ctx.Process(target=_child, daemon=True,
-                         args=(r, world_size, store.port, backend, device_type, timeout_s,
-                               payload, results))
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    outputs, failure, failed_at, reported = {}, None, None, set()
-    t_end = None if deadline_s is None else time.monotonic() + deadline_s
+    backend, device_type = _backend(world_size, backend, device)
+    store, procs, results, _ = _start(world_size, backend, device_type, timeout_s,
+                                      _dumps((fn, args)), pooled=False)
+    failure = None
     try:
-        while len(outputs) < world_size:
-            if failure is not None and time.monotonic() - failed_at > grace_s:
-                break
-            if t_end is not None and time.monotonic() > t_end and failure is None:
-                late = [r for r in range(world_size) if r not in outputs]
-                failure, failed_at = (late[0], "deadline", deadline_s), time.monotonic()
-                break
-            try:
-                rank, status, blob = results.get(timeout=0.2)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs)
-                        if p.exitcode not in (None, 0) and r not in outputs]
-                if dead and failure is None:
-                    time.sleep(0.5)  # its report may still be in the queue
-                    if results.empty():
-                        failure = (dead[0], "died", procs[dead[0]].exitcode)
-                        failed_at = time.monotonic()
-                continue
-            if status == "ok":
-                import pickle
-                outputs[rank] = pickle.loads(blob)
-            elif failure is None or failure[1] == "died":
-                failure, failed_at = (rank, status, blob), time.monotonic()
-            else:
-                outputs[rank] = None  # a later failure, most likely a consequence
-            reported.add(rank)
-        # A child that died without a report is the likeliest root cause: the others'
-        # errors ("connection closed by peer") are usually its consequence.
-        silent = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in reported]
-        if silent and (failure is None or failure[1] != "deadline"):
-            failure = (silent[0], "died", procs[silent[0]].exitcode)
+        outputs, failure = _collect(procs, results, grace_s, deadline_s)
     finally:
-        for p in procs:
-            p.join(timeout=0 if failure else 10)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-        results.close()
+        _stop(procs, results, 0 if failure else 10)
     if failure is not None:
-        rank, status, info = failure
-        if status == "deadline":
-            raise LaunchError(f"rank {rank} of {world_size} was still running after the "
-                              f"deadline of {info:.0f}s and was stopped")
-        if status == "died":
-            raise LaunchError(f"rank {rank} of {world_size} exited with code {info} without "
-                              "reporting an error (killed, out of memory, or os._exit?)")
-        _reraise(rank, world_size, info)
+        _raise(failure, world_size)
     return [outputs[r] for r in range(world_size)]
+
+
+class Pool:
+    """`world_size` processes in one process group that stay alive across calls, for many
+    short multi-process runs in a row (a test suite): `run(fn, *args)` is launch without
+    the process start. Use it as a context manager, or call close().
+
+    Calls run one after another on every rank. Each starts from the torch RNG state,
+    environment, thread count and default dtype the processes had when they started, so
+    a call sees what it would see in a fresh launch; other changes to global state (a
+    module patched by the call) stay, so give such functions their own launch. A failed
+    call (an exception, a dead rank, a timeout, a deadline) is re-raised as launch would,
+    and stops every process: whatever it left in flight dies with them, and the next call
+    starts a fresh group.
+    """
+
+    def __init__(self, world_size: int, backend: str | None = None, device: str | None = None,
+                 timeout_s: float = 120.0, grace_s: float = 1.0):
+        self.world_size = world_size
+        self.backend, self.device_type = _backend(world_size, backend, device)
+        self.timeout_s, self.grace_s = timeout_s, grace_s
+        self._group = None  # (store, processes, results, task queues), started on first use
+        self.starts = 0     # how many groups it has started: 1 unless calls failed
+
+    def run(self, fn, *args, deadline_s: float | None = None) -> list:
+        """fn(*args) on every rank of the pool; the list of return values, by rank."""
+        if self._group is None:
+            self._group = _start(self.world_size, self.backend, self.device_type,
+                                 self.timeout_s, None, pooled=True)
+            self.starts += 1
+        _, procs, results, tasks = self._group
+        payload = _dumps((fn, args))
+        for q in tasks:
+            q.put(payload)
+        try:
+            outputs, failure = _collect(procs, results, self.grace_s, deadline_s)
+        except BaseException:  # interrupted (Ctrl-C): the ranks' state is unknown
+            self.close(wait_s=0)
+            raise
+        if failure is not None:
+            self.close(wait_s=0)
+            _raise(failure, self.world_size)
+        return [outputs[r] for r in range(self.world_size)]
+
+    def close(self, wait_s: float = 10.0) -> None:
+        """Stop the processes (a later run starts new ones)."""
+        if self._group is None:
+            return
+        _, procs, results, tasks = self._group
+        self._group = None
+        if wait_s:
+            for p, q in zip(procs, tasks):
+                if p.is_alive():
+                    q.put(None)
+        _stop(procs, results, wait_s)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

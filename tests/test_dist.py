@@ -1,6 +1,8 @@
 """minidist.dist: init() without torchrun, and launch(): return values, failures re-raised
 with their rank, a dead child reported, a peer that never joins a collective turning into
-an error within the timeout, and functions defined in a notebook."""
+an error within the timeout, and functions defined in a notebook. Then Pool: the same
+contract on processes that stay alive, each call starting from a fresh process's state,
+and a failed call that leaves nothing behind for the next."""
 
 import os
 import subprocess
@@ -11,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from minidist.dist import init
-from minidist.launch import LaunchError, launch
+from minidist.launch import LaunchError, Pool, launch
 
 
 def _who_and_sum(offset):
@@ -111,3 +113,53 @@ def test_launch_from_a_notebook(tmp_path):
         "assert result == [45.0, 45.0], result\n")]
     NotebookClient(nb, timeout=120, kernel_name="python3",
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
+
+
+# -- Pool: launch's contract, on processes that serve many calls
+
+def _leave_a_mess(seed):
+    """What a careless call might change: the RNG, the environment, the threads, the group."""
+    torch.manual_seed(seed)
+    os.environ["MINIDIST_FAULT"] = "kill:step:1:0"
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)
+    dist.destroy_process_group()  # as train_gpt.main does at its end
+    return os.getpid()
+
+
+def _what_a_call_sees():
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return (os.getpid(), torch.get_rng_state(), os.environ.get("MINIDIST_FAULT"),
+            torch.get_num_threads(), torch.get_default_dtype(), t.item())
+
+
+def test_pool_serves_calls_on_the_same_processes_each_from_a_fresh_state():
+    with Pool(2, timeout_s=30) as pool:
+        first = pool.run(_what_a_call_sees)
+        pids = pool.run(_leave_a_mess, 7)
+        after = pool.run(_what_a_call_sees)
+        assert pool.starts == 1
+    assert [f[0] for f in first] == pids == [a[0] for a in after]  # no new processes
+    for f, a in zip(first, after):
+        assert torch.equal(f[1], a[1])  # the RNG state the processes started with
+        assert f[2:] == a[2:] and a[2] is None and a[4] == torch.float32 and a[5] == 2.0
+
+
+def test_pool_failure_is_reraised_with_rank_and_the_next_call_gets_fresh_processes():
+    with Pool(2, timeout_s=30) as pool:
+        assert [r for r, *_ in pool.run(_who_and_sum, 0.0)] == [0, 1]
+        with pytest.raises(ValueError, match=r"\[rank 1 of 2\] bad thing") as e:
+            pool.run(_fails_on_rank_one)
+        assert e.value.rank == 1 and "_fails_on_rank_one" in str(e.value.__cause__)
+        t0 = time.monotonic()
+        with pytest.raises(LaunchError, match="still running after the deadline of 3s"):
+            pool.run(_spins_forever, deadline_s=3)
+        assert time.monotonic() - t0 < 20
+        assert pool.run(_who_and_sum, 0.5) == [(r, 2, "gloo", 3.5) for r in range(2)]
+        assert pool.starts == 3  # one start, and a fresh one after each failure
+
+
+def test_pool_bad_world_size():
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        Pool(0)
