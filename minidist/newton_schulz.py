@@ -133,9 +133,12 @@ if __name__ == "__main__":
     from minidist.model import PRESETS
     d, layers = PRESETS["tiny"]["n_embd"], PRESETS["tiny"]["n_layer"]
     shapes = [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * layers  # train_gpt's CPU model
-    for name in ("jordan", "polar_express"):
-        lo, hi = singular_value_band(shapes, name)
-        print(f"{name:>13}: singular values after 5 steps (fp32) in [{lo:.3f}, {hi:.3f}]")
+    for shape in dict.fromkeys(shapes):  # Gaussian matrices; a square one has near-zero values
+        for name in ("jordan", "polar_express"):
+            bands = [(dt, *singular_value_band([shape] * 4, name, dtype=getattr(torch, dt)))
+                     for dt in ("float32", "bfloat16")]
+            print(f"{str(shape):>10} {name:>13}: singular values after 5 steps in "
+                  + ", ".join(f"[{lo:.3f}, {hi:.3f}] ({dt})" for dt, lo, hi in bands))
     t = time_batched(shapes)
     print(f"{len(shapes)} matrices, bf16: one by one {1e3 * t['per_matrix_s']:.2f} ms, batched "
           f"by shape {1e3 * t['batched_s']:.2f} ms ({t['speedup']:.2f}x)")

@@ -1,6 +1,8 @@
-"""Muon (minidist.muon): Newton-Schulz against the SVD and its own scalar polynomial,
-Muon against torch.optim.Muon, distributed Muon at 2, 3 and 4 ranks against one process,
-the parameter split, and train_gpt --optimizer muon on 2 ranks against 1."""
+"""Muon (minidist.muon, minidist.newton_schulz): Newton-Schulz against the SVD and its own
+scalar polynomials (Keller Jordan's and the Polar Express schedule), batched against one by
+one, Muon against torch.optim.Muon, distributed Muon at 2, 3 and 4 ranks against one
+process, the parameter split and the routing check with each failure class it exists for,
+and train_gpt --optimizer muon on 2 ranks against 1."""
 
 import numpy as np
 import pytest
@@ -9,13 +11,13 @@ import torch
 from minidist import train_gpt
 from minidist.launch import launch
 from minidist.model import GPT, GPTConfig
-from minidist.muon import NS_COEFFICIENTS, Muon, newton_schulz, split_params
+from minidist.muon import NS_COEFFICIENTS, Muon, check_routing, newton_schulz, split_params
+from minidist.newton_schulz import POLAR_EXPRESS, POLAR_EXPRESS_MARGIN, newton_schulz_many
 
 
-def _poly(s, steps):
+def _poly(s, steps, schedule=None):
     """The scalar map Newton-Schulz applies to each (normalised) singular value."""
-    a, b, c = NS_COEFFICIENTS
-    for _ in range(steps):
+    for a, b, c in schedule or [NS_COEFFICIENTS] * steps:
         s = a * s + b * s**3 + c * s**5
     return s
 
@@ -66,6 +68,48 @@ def test_singular_values_land_in_the_quintic_band_and_bf16_stays_close():
     assert torch.equal(newton_schulz(torch.zeros(8, 4)), torch.zeros(8, 4, dtype=torch.bfloat16))
 
 
+def test_polar_express_applies_its_schedule_and_ends_in_a_narrower_band():
+    """Polar Express: a different quintic per step, after dividing by 1.02 ||G||_F. Same
+    fp32 check as above, with the composed schedule; then the band, from the scalar maps:
+    from every start in [1e-3, 1] it ends inside Jordan's band, narrower at both ends."""
+    s = np.geomspace(1e-3, 1.0, 48)
+    G, U, V = _with_singular_values(s, 48, 96)
+    O = newton_schulz(G.float(), dtype=torch.float32, coefficients="polar_express").double()
+    expected = _poly(s / (np.linalg.norm(s) * POLAR_EXPRESS_MARGIN), 5, POLAR_EXPRESS)
+    torch.testing.assert_close(torch.diagonal(U.T @ O @ V), torch.as_tensor(expected), atol=2e-5, rtol=1e-4)
+    grid = np.geomspace(1e-3, 1, 100_001)
+    jordan, polar = _poly(grid, 5), _poly(grid / POLAR_EXPRESS_MARGIN, 5, POLAR_EXPRESS)
+    assert jordan.min() < polar.min() and polar.max() < jordan.max()
+    # random matrices land in the scalar band (bf16 rounding: a little either side)
+    X = torch.randn(3, 64, 256, generator=torch.Generator().manual_seed(2))
+    for dtype, slack in ((torch.float32, 1e-3), (torch.bfloat16, 1e-2)):
+        sv = torch.linalg.svdvals(newton_schulz(X, dtype=dtype, coefficients="polar_express").float())
+        assert polar.min() - slack < sv.min() and sv.max() < polar.max() + slack
+    with pytest.raises(ValueError, match="polar_express schedule has 5 steps"):
+        Muon([torch.nn.Parameter(torch.zeros(4, 4))], ns_steps=6, ns_coefficients="polar_express")
+    with pytest.raises(ValueError, match="coefficients must be"):
+        newton_schulz(X, coefficients="quintic")
+
+
+def test_batched_newton_schulz_equals_one_by_one():
+    """One chain per shape group, tall matrices joining their transposes' group. Each
+    matrix keeps its own norm, so the mathematics is each matrix's own; what may differ is
+    rounding, if a batched kernel splits its sums differently (a GPU's may). That moves
+    each product by about one bf16 rounding, the same kind of error as computing in bf16
+    at all, so the bound is the bf16-against-fp32 one above (3%). On this CPU the
+    kernel per matrix is the same, and so are the bits."""
+    g = torch.Generator().manual_seed(3)
+    shapes = [(96, 32), (32, 96), (96, 32), (48, 48), (48, 48), (16, 64), (40, 24)]
+    Ms = [torch.randn(*s, generator=g) for s in shapes]
+    for coefficients in ("jordan", "polar_express"):
+        batched = newton_schulz_many(Ms, coefficients=coefficients)
+        for M, B in zip(Ms, batched):
+            one = newton_schulz(M, coefficients=coefficients)
+            assert B.shape == M.shape and B.dtype == torch.bfloat16
+            assert torch.linalg.matrix_norm(B.float() - one.float()) < 0.03 * torch.linalg.matrix_norm(one.float())
+            assert torch.equal(B, one)  # CPU: the same bits
+
+
 SHAPES = [(64, 32), (32, 64), (48, 48), (96, 32), (16, 16), (32, 96)]
 
 
@@ -86,14 +130,16 @@ def _run(make_opt, steps=5):
     return [p.detach().clone() for p in ps], opt
 
 
+@pytest.mark.parametrize("batched", [True, False])
 @pytest.mark.parametrize("kw", [
     dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1),
     dict(lr=0.01, momentum=0.9, nesterov=False, weight_decay=0.0, adjust_lr_fn="match_rms_adamw"),
     dict(lr=0.05, momentum=0.95, nesterov=True, weight_decay=0.01, adjust_lr_fn="original", ns_steps=3),
 ])
-def test_muon_equals_torch_optim_muon(kw):
-    """Same arithmetic as torch 2.13's Muon (bf16 Newton-Schulz), so equal to the bit."""
-    ours, _ = _run(lambda ps: Muon(ps, **kw))
+def test_muon_equals_torch_optim_muon(kw, batched):
+    """Same arithmetic as torch 2.13's Muon (bf16 Newton-Schulz), so equal to the bit:
+    one by one (batched=False), and batched by shape, which on this CPU is the same bits."""
+    ours, _ = _run(lambda ps: Muon(ps, batched=batched, **kw))
     theirs, _ = _run(lambda ps: torch.optim.Muon(ps, **kw))
     for a, b in zip(ours, theirs):
         assert torch.equal(a, b)
@@ -149,6 +195,81 @@ def test_split_params_gives_muon_the_hidden_matrices_only():
     assert not any("wte" in names[id(p)] or "wpe" in names[id(p)] for p in muon)
     assert {id(p) for p in muon} | {id(p) for p in adamw} == set(names)  # each once
     assert not {id(p) for p in muon} & {id(p) for p in adamw}
+
+
+def _tiny_gpt():
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64))
+
+
+def _flatten(module, names=None):
+    """Replace parameters by flat 1-D copies, as a flat shard or ZeRO-3's init leaves them."""
+    for mod in module.modules():
+        for n, p in list(mod.named_parameters(recurse=False)):
+            if names is None or n in names:
+                setattr(mod, n, torch.nn.Parameter(p.detach().flatten()))
+
+
+def _shape_router(model):
+    """The rule that breaks: 2-D and not an embedding or the head (minus the flattening)."""
+    skip = {id(model.wte.weight), id(model.wpe.weight)}
+    hidden = [p for p in model.parameters() if p.dim() == 2 and id(p) not in skip]
+    return hidden, [p for p in model.parameters() if id(p) not in {id(h) for h in hidden}]
+
+
+def _step(model, opts):
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    for o in opts:
+        o.step()
+
+
+def test_check_routing_passes_the_right_routing_and_catches_each_failure_class():
+    model = _tiny_gpt()
+    hidden, rest = split_params(model)
+    opts = [torch.optim.AdamW(rest), Muon(hidden)]
+    with pytest.raises(RuntimeError, match=r"blocks.0.attn.c_attn.weight .*\(no Muon holding it has stepped\)"):
+        check_routing(model, opts)  # Muon built but never stepped (a wrapper stepped something else)
+    _step(model, opts)
+    check_routing(model, opts)  # the right routing passes
+
+    # a flat 1-D shard reaching the router: split_params refuses it; a shape rule sends it to AdamW
+    model = _tiny_gpt()
+    _flatten(model.blocks[0].attn.c_attn, {"weight"})
+    with pytest.raises(ValueError, match="blocks.0.attn.c_attn.weight is a weight matrix but has shape"):
+        split_params(model)
+    hidden, rest = _shape_router(model)
+    opts = [torch.optim.AdamW(rest), Muon(hidden)]
+    _step(model, opts)
+    with pytest.raises(RuntimeError, match=r"blocks.0.attn.c_attn.weight \(3072,\) is a hidden matrix but "
+                                           r"AdamW holds it \(it is 1-D here"):
+        check_routing(model, opts)
+
+    # every parameter looks 1-D (as ZeRO-3's init can leave them): Muon gets nothing at all
+    model = _tiny_gpt()
+    _flatten(model)
+    hidden, rest = _shape_router(model)
+    assert hidden == []
+    opts = [torch.optim.AdamW(rest)]
+    _step(model, opts)
+    with pytest.raises(RuntimeError, match=r"(?s)blocks.0.attn.c_attn.weight.*AdamW holds it.*and 3 more"):
+        check_routing(model, opts)
+
+    # an `ndim >= 2` rule sends the embeddings (and the head tied to wte) to Muon
+    model = _tiny_gpt()
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    opts = [torch.optim.AdamW([p for p in model.parameters() if p.dim() < 2]), Muon(matrices)]
+    _step(model, opts)
+    with pytest.raises(RuntimeError, match=r"wte.weight \(64, 32\) was updated by Muon but is not a hidden"):
+        check_routing(model, opts)
+
+    # Muon never ran: plain SGD trained the matrices (or AdamW everything)
+    model = _tiny_gpt()
+    hidden, rest = split_params(model)
+    for opts, who in (([torch.optim.AdamW(rest), torch.optim.SGD(hidden, lr=0.1)], "SGD"),
+                      ([torch.optim.AdamW(model.parameters())], "AdamW")):
+        _step(model, opts)
+        with pytest.raises(RuntimeError, match=f"blocks.0.mlp.c_proj.weight .* but {who} holds it"):
+            check_routing(model, opts)
 
 
 def test_train_gpt_muon_two_ranks_equals_one(tmp_path):
