@@ -1,0 +1,80 @@
+"""What checkpoint checksums cost: save and load time with and without them, on train_gpt's
+CPU model (the tiny preset) and on the small preset, one process, AdamW state included.
+Chapter 08 (chapters/08_at_scale.md) quotes the figures. Run:
+
+    python scripts/bench_checksums.py            # --repeats 5 by default
+
+"Without" replaces minidist.checkpoint_io.checksum by a function that returns 0, so the
+same code path runs minus the CRC-32s. Each figure is the best of the repeats, in CPU
+seconds of this process; the files go to a temporary folder (on most machines the page
+cache): this measures the CPU cost, which is what the checksums add, not the disk's speed.
+"""
+
+import argparse
+import tempfile
+import time
+
+import torch
+
+from minidist import checkpoint, checkpoint_io
+from minidist.model import GPT, PRESETS, GPTConfig
+
+
+def _model(preset: str, vocab: int):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**PRESETS[preset], vocab_size=vocab))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, vocab, (2, 33))
+    model(x[:, :-1], x[:, 1:])[1].backward()
+    opt.step()  # now AdamW has its two moments: 12 bytes per parameter in all
+    return model, opt
+
+
+def _best_s(fn) -> float:
+    """CPU seconds of this process: what the checksums add is CPU work, and on a shared
+    machine wall time mostly measures the neighbours."""
+    t0 = time.process_time()
+    fn()
+    return time.process_time() - t0
+
+
+def measure(preset: str, vocab: int, repeats: int) -> dict:
+    """The best of `repeats` of each, with and without alternating (a noisy machine slows
+    some runs down, never speeds one up)."""
+    model, opt = _model(preset, vocab)
+    row = {"preset": preset, "params_M": sum(p.numel() for p in model.parameters()) / 1e6}
+    real, step = checkpoint_io.checksum, iter(range(1, 10 ** 6))
+    with tempfile.TemporaryDirectory() as d:
+        for _ in range(repeats):
+            for label, fn in (("with", real), ("without", lambda value: 0)):
+                checkpoint_io.checksum = fn
+                try:
+                    times = {"save": _best_s(lambda: checkpoint.save(d, next(step), model, [opt], keep=1))}
+                    path = checkpoint.latest(d)
+                    times["load"] = _best_s(lambda: checkpoint.load(path, model, [opt]))
+                    times["verify"] = _best_s(lambda: checkpoint.verify(path))
+                finally:
+                    checkpoint_io.checksum = real
+                for k, t in times.items():
+                    row[f"{k}_{label}_s"] = min(t, row.get(f"{k}_{label}_s", t))
+        row["MB"] = sum(f.stat().st_size for f in checkpoint.latest(d).iterdir()) / 1e6
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--vocab", type=int, default=2048, help="the CPU default: gpt2-2048")
+    a = p.parse_args()
+    print("CPU seconds, best of", a.repeats)
+    print(f"{'preset':8s} {'params':>8s} {'file':>8s} | {'save: with':>10s} {'without':>8s} | "
+          f"{'load: with':>10s} {'without':>8s} | {'verify all':>10s}")
+    for preset in ("tiny", "small"):
+        r = measure(preset, a.vocab, a.repeats)
+        print(f"{preset:8s} {r['params_M']:7.2f}M {r['MB']:6.1f}MB | {r['save_with_s']:9.3f}s "
+              f"{r['save_without_s']:7.3f}s | {r['load_with_s']:9.3f}s {r['load_without_s']:7.3f}s | "
+              f"{r['verify_with_s']:9.3f}s")
+
+
+if __name__ == "__main__":
+    main()
