@@ -4,23 +4,28 @@ and broadcast, built on nothing but isend/irecv.
 Chapter 02 (chapters/02_collectives.md). Exercised by `python -m minidist.bench collectives`
 and by tests/test_comm.py.
 
-Every function works in place and means what its torch.distributed namesake means, for
-any world size (3 included) and any tensor size (sizes that do not divide by the world
-size are cut into chunks that differ by at most one element).
+Every collective works in place and means what its torch.distributed namesake means,
+for any world size and tensor size (chunks differ by at most one element).
 
 The ring: rank r sends only to r+1 and receives only from r-1 (mod N). Cut the data into
 N chunks. In the reduce-scatter phase each of N-1 steps passes one partial sum along and
 adds to it, so after N-1 steps rank r holds chunk r summed over all ranks. In the
 all-gather phase N-1 more steps pass the finished chunks around. Each rank sends
 (N-1)/N of the data per phase, whatever N is: that is why the ring is bandwidth-optimal.
+`all_reduce` is exactly that: `_ring_reduce_scatter`, then `_ring_all_gather`.
+
+Top to bottom: the byte counter and the exchange every step goes through; the two ring
+phases; the four collectives; last, `all_reduce_pipelined`, the same chunks and additions
+(so the same bits) in segments, so that additions hide behind transfers. Training does
+not call it: DDP and ZeRO overlap torch's asynchronous collectives with backward, and
+ZeRO's `collectives="minidist"` runs the plain reduce_scatter and all_gather to count
+bytes. The collectives benchmark times it beside torch's, to show how near gloo a ring
+in Python gets.
 
 Half precision: a received bf16/fp16 chunk is added to the local one with torch's
 elementwise add, which computes in fp32 and rounds once per hop, so a sum over N ranks
 is rounded N-1 times, as NCCL does. The data travels in its own dtype (half the bytes
 of fp32): accumulating in fp32 would double the traffic for a small gain in precision.
-
-Counting: every byte sent goes through `_exchange`, which adds it to the counters of the
-`count_bytes()` contexts that are open, per collective. Chapter 06 uses the same counts.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import torch.distributed as dist
 
 from minidist.dist import DEFAULT_TIMEOUT_S
 
+# ------------------------------------------------------------------ counting, messages
+
 _counters: list[Counter] = []
 
 
@@ -44,6 +51,8 @@ def count_bytes():
         with count_bytes() as sent:
             all_reduce(t)
         sent["all_reduce"]  # bytes this rank put on the wire
+
+    Contexts nest: every open one counts.
     """
     c = Counter()
     _counters.append(c)
@@ -53,12 +62,32 @@ def count_bytes():
         _counters.remove(c)
 
 
-def _timeout() -> timedelta:
-    return timedelta(seconds=DEFAULT_TIMEOUT_S)
+def _isend(t: torch.Tensor, dst: int, name: str):
+    """Post a send of t to rank dst on behalf of collective `name`. Every send in this
+    module goes through here, and this is the one place that counts bytes."""
+    for c in _counters:
+        c[name] += t.numel() * t.element_size()
+    return dist.isend(t, dst)
+
+
+_TIMEOUT = timedelta(seconds=DEFAULT_TIMEOUT_S)  # MINIDIST_TIMEOUT, read at import
+
+
+def _wait(work, verb: str, peer: int, name: str, step: str) -> None:
+    """Wait for one posted message, within the timeout; a failure names the collective,
+    the step, this rank and the peer."""
+    try:
+        work.wait(_TIMEOUT)
+    except RuntimeError as e:
+        where = f"{name}: {step}: rank {dist.get_rank()} could not {verb} rank {peer}"
+        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+            raise TimeoutError(f"{where} within {_TIMEOUT.total_seconds():.0f}s; did every "
+                               f"rank call the same collective? ({e})") from e
+        raise RuntimeError(f"{where}: {e}") from e  # e.g. the peer died
 
 
 def _exchange(send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int,
-              what: str) -> None:
+              name: str, step: str) -> None:
     """Send `send` to rank dst while receiving `recv` from rank src, then wait for both.
 
     Posting both before waiting is what keeps a ring from deadlocking: if every rank
@@ -68,108 +97,39 @@ def _exchange(send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, sr
     if recv is not None:
         works.append(("receive from", src, dist.irecv(recv, src)))
     if send is not None:
-        works.append(("send to", dst, dist.isend(send, dst)))
-        for c in _counters:
-            c[what.split(":")[0]] += send.numel() * send.element_size()
+        works.append(("send to", dst, _isend(send, dst, name)))
     for verb, peer, w in works:
-        _wait(w, verb, peer, what)
+        _wait(w, verb, peer, name, step)
 
 
-def _wait(work, verb: str, peer: int, what: str) -> None:
-    try:
-        work.wait(_timeout())
-    except RuntimeError as e:
-        where = f"{what}: rank {dist.get_rank()} could not {verb} rank {peer}"
-        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-            raise TimeoutError(f"{where} within {_timeout().total_seconds():.0f}s; did every "
-                               f"rank call the same collective? ({e})") from e
-        raise RuntimeError(f"{where}: {e}") from e  # e.g. the peer died
-
+# ------------------------------------------------------------------ the two ring phases
 
 def _ring_neighbours() -> tuple[int, int, int, int]:
     r, n = dist.get_rank(), dist.get_world_size()
     return r, n, (r + 1) % n, (r - 1) % n
 
 
-# Large chunks travel in segments: while segment j is being added, segment j+1 is still
-# arriving, so the additions hide behind the transfer (as gloo and NCCL pipeline theirs).
-SEGMENT_BYTES = 1 << 20
-_scratch: dict = {}
-
-
-def _scratch_like(t: torch.Tensor) -> torch.Tensor:
-    """A receive buffer shaped like t, reused across calls: allocating a fresh one each
-    step would page-fault new memory in on every message."""
-    key = (t.dtype, t.device)
-    buf = _scratch.get(key)
-    if buf is None or buf.numel() < t.numel():
-        buf = _scratch[key] = torch.empty(max(t.numel(), 1024), dtype=t.dtype, device=t.device)
-    return buf[:t.numel()]
-
-
-def _send_recv_add(send: torch.Tensor, dst: int, acc: torch.Tensor, src: int, what: str) -> None:
-    """Send `send` to dst while receiving a tensor like `acc` from src and adding it to acc."""
-    buf = _scratch_like(acc)
-    seg = max(1, SEGMENT_BYTES // acc.element_size())
-    if acc.numel() <= seg:
-        _exchange(send, dst, buf, src, what)
-        acc.add_(buf)
-        return
-    # post every segment's receive and send, then add each segment as soon as it lands
-    recvs = [dist.irecv(b, src) for b in buf.split(seg)]
-    sends = [dist.isend(s, dst) for s in send.split(seg)]
-    for c in _counters:
-        c[what.split(":")[0]] += send.numel() * send.element_size()
-    for w, b, a in zip(recvs, buf.split(seg), acc.split(seg)):
-        _wait(w, "receive from", src, what)
-        a.add_(b)
-    for w in sends:
-        _wait(w, "send to", dst, what)
+def _send_recv_add(send: torch.Tensor, dst: int, acc: torch.Tensor, src: int, buf: torch.Tensor,
+                   name: str, step: str) -> None:
+    """One reduce-scatter step: send `send` to dst while receiving a tensor like `acc`
+    from src into `buf`, then add it to acc."""
+    _exchange(send, dst, buf, src, name, step)
+    acc.add_(buf)
 
 
 def _ring_reduce_scatter(chunks: list[torch.Tensor], name: str) -> None:
     """Sum chunk i over all ranks into chunks[i] of rank i (other chunks: partial sums)."""
     r, n, right, left = _ring_neighbours()
+    if n == 1:
+        return
+    # one receive buffer for every step, as large as the largest chunk
+    scratch = chunks[0].new_empty(max(c.numel() for c in chunks))
     for k in range(n - 1):
         # rank r passes on its partial sum of chunk r-k-1 and receives the partial sum of
         # chunk r-k-2, to which it adds its own; at the last step that chunk is r itself
-        _send_recv_add(chunks[(r - k - 1) % n], right, chunks[(r - k - 2) % n], left,
-                       f"{name}: reduce-scatter step {k + 1}/{n - 1}")
-
-
-def _ring_all_reduce(chunks: list[torch.Tensor], name: str) -> None:
-    """Reduce-scatter then all-gather, with the first all-gather step riding on the last
-    reduce-scatter step: each segment of the chunk this rank finishes is sent on to the
-    right as soon as its addition is done, while later segments are still arriving.
-    Without this, the all-gather would wait for the whole reduce-scatter to drain."""
-    r, n, right, left = _ring_neighbours()
-    for k in range(n - 2):  # every reduce-scatter step but the last
-        _send_recv_add(chunks[(r - k - 1) % n], right, chunks[(r - k - 2) % n], left,
-                       f"{name}: reduce-scatter step {k + 1}/{n - 1}")
-    # last reduce-scatter step: send chunk r+1, receive and finish chunk r; first
-    # all-gather step: send the finished chunk r, receive the finished chunk r-1
-    send, own, nxt = chunks[(r + 1) % n], chunks[r], chunks[(r - 1) % n]
-    buf = _scratch_like(own)
-    seg = max(1, SEGMENT_BYTES // own.element_size())
-    what = f"{name}: reduce-scatter step {n - 1}/{n - 1} + all-gather step 1/{n - 1}"
-    # posting order is message order on each link: every rank posts the reduce-scatter
-    # messages before the all-gather ones, so each receive matches its send
-    rs_recvs = [dist.irecv(b, left) for b in buf.split(seg)]
-    sends = [dist.isend(t, right) for t in send.split(seg)]
-    ag_recvs = [dist.irecv(t, left) for t in nxt.split(seg)]
-    for w, b, a in zip(rs_recvs, buf.split(seg), own.split(seg)):
-        _wait(w, "receive from", left, what)
-        a.add_(b)
-        sends.append(dist.isend(a, right))  # this segment of chunk r is final: pass it on
-    for c in _counters:
-        c[name] += (send.numel() + own.numel()) * own.element_size()
-    for w in ag_recvs:
-        _wait(w, "receive from", left, what)
-    for w in sends:
-        _wait(w, "send to", right, what)
-    for k in range(1, n - 1):  # the remaining all-gather steps
-        _exchange(chunks[(r - k) % n], right, chunks[(r - k - 1) % n], left,
-                  f"{name}: all-gather step {k + 1}/{n - 1}")
+        acc = chunks[(r - k - 2) % n]
+        _send_recv_add(chunks[(r - k - 1) % n], right, acc, left, scratch[:acc.numel()],
+                       name, f"reduce-scatter step {k + 1}/{n - 1}")
 
 
 def _ring_all_gather(chunks: list[torch.Tensor], name: str) -> None:
@@ -178,8 +138,10 @@ def _ring_all_gather(chunks: list[torch.Tensor], name: str) -> None:
     for k in range(n - 1):
         # pass on the chunk that arrived last step (our own first); receive the next one
         _exchange(chunks[(r - k) % n], right, chunks[(r - k - 1) % n], left,
-                  f"{name}: all-gather step {k + 1}/{n - 1}")
+                  name, f"all-gather step {k + 1}/{n - 1}")
 
+
+# ------------------------------------------------------------------ the four collectives
 
 def _check_op(op: str, t: torch.Tensor) -> None:
     if op not in ("sum", "avg"):
@@ -188,16 +150,21 @@ def _check_op(op: str, t: torch.Tensor) -> None:
         raise ValueError("op='avg' needs a floating-point tensor")
 
 
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of tensor, or a contiguous copy to work in and copy back."""
+    return tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+
+
 @torch.no_grad()
 def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """Sum (or average) `tensor` over all ranks, in place: a ring reduce-scatter followed
     by a ring all-gather over N chunks of the flattened tensor."""
     _check_op(op, tensor)
     n = dist.get_world_size()
-    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-    if n > 1:
-        chunks = list(torch.tensor_split(flat, n))  # views: the ring works inside `flat`
-        _ring_all_reduce(chunks, "all_reduce")
+    flat = _flat(tensor)
+    chunks = list(torch.tensor_split(flat, n))  # views: the ring works inside `flat`
+    _ring_reduce_scatter(chunks, "all_reduce")
+    _ring_all_gather(chunks, "all_reduce")
     if op == "avg":
         flat.div_(n)
     if flat.data_ptr() != tensor.data_ptr():
@@ -265,15 +232,81 @@ def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         raise ValueError(f"src must be a rank in [0, {n}), got {src}")
     if n == 1:
         return tensor
-    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+    flat = _flat(tensor)
     chunks = list(torch.tensor_split(flat, n))
     if r == src:
         for dst in range(n):
             if dst != src:
-                _exchange(chunks[dst], dst, None, dst, f"broadcast: scatter to rank {dst}")
+                _exchange(chunks[dst], dst, None, dst, "broadcast", f"scatter to rank {dst}")
     else:
-        _exchange(None, src, chunks[r], src, f"broadcast: scatter from rank {src}")
+        _exchange(None, src, chunks[r], src, "broadcast", f"scatter from rank {src}")
     _ring_all_gather(chunks, "broadcast")
+    if flat.data_ptr() != tensor.data_ptr():
+        tensor.copy_(flat.view_as(tensor))
+    return tensor
+
+
+# ------------------------------------------------------------------ the pipelined all-reduce
+
+# Large chunks travel in segments: while segment j is being added, segment j+1 is still
+# arriving, so the additions hide behind the transfer (as gloo and NCCL pipeline theirs).
+SEGMENT_BYTES = 1 << 20
+_scratch: dict = {}
+
+
+def _scratch_like(t: torch.Tensor) -> torch.Tensor:
+    """A receive buffer like t, kept across calls (a fresh one would page-fault in)."""
+    buf = _scratch.get((t.dtype, t.device))
+    if buf is None or buf.numel() < t.numel():
+        buf = _scratch[t.dtype, t.device] = t.new_empty(max(t.numel(), 1024))
+    return buf[:t.numel()]
+
+
+def _segments(t: torch.Tensor) -> list[torch.Tensor]:
+    return list(t.split(max(1, SEGMENT_BYTES // t.element_size())))
+
+
+@torch.no_grad()
+def all_reduce_pipelined(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """all_reduce's result, bit for bit (the same chunks meet in the same order), faster
+    for large tensors: (1) each reduce-scatter step posts all the segments of its chunk
+    at once and adds each one as it lands, while later ones still arrive; (2) the first
+    all-gather step rides on the last reduce-scatter step: each segment of chunk r goes
+    on to the right as soon as its addition is done, not after the whole phase.
+
+    Correctness rests on message order: on a link, receives match sends in posting
+    order. In the last step every rank posts the reduce-scatter receives before the
+    all-gather ones, and its neighbour posts the matching sends in the same order.
+    """
+    _check_op(op, tensor)
+    r, n, right, left = _ring_neighbours()
+    flat = _flat(tensor)
+    chunks = list(torch.tensor_split(flat, n))
+    name = "all_reduce_pipelined"
+    for k in range(n - 1):
+        step = f"reduce-scatter step {k + 1}/{n - 1}"
+        send, acc = chunks[(r - k - 1) % n], chunks[(r - k - 2) % n]
+        bufs = _segments(_scratch_like(acc))
+        recvs = [dist.irecv(b, left) for b in bufs]
+        sends = [_isend(s, right, name) for s in _segments(send)]
+        last = k == n - 2  # acc is chunk r: after this step it is final
+        if last:
+            step += f" + all-gather step 1/{n - 1}"
+            ag_recvs = [dist.irecv(s, left) for s in _segments(chunks[(r - 1) % n])]
+        for w, b, a in zip(recvs, bufs, _segments(acc)):
+            _wait(w, "receive from", left, name, step)
+            a.add_(b)
+            if last:
+                sends.append(_isend(a, right, name))  # this segment of chunk r is final
+        for w in ag_recvs if last else []:
+            _wait(w, "receive from", left, name, step)
+        for w in sends:
+            _wait(w, "send to", right, name, step)
+    for k in range(1, n - 1):  # the remaining all-gather steps, as in _ring_all_gather
+        _exchange(chunks[(r - k) % n], right, chunks[(r - k - 1) % n], left,
+                  name, f"all-gather step {k + 1}/{n - 1}")
+    if op == "avg":
+        flat.div_(n)
     if flat.data_ptr() != tensor.data_ptr():
         tensor.copy_(flat.view_as(tensor))
     return tensor

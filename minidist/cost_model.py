@@ -1,6 +1,11 @@
 """What data parallelism and ZeRO cost from 8 to 1024 GPUs, in closed form. Chapter 08
 (chapters/08_at_scale.md). Exercised by `python -m minidist.bench scale`
-(minidist/bench_scale.py) and tests/test_cost_model.py.
+(minidist/bench/scale.py) and tests/test_cost_model.py.
+
+Every closed-form formula of minidist lives here, once: the ring's bytes and messages
+(chapter 02, used by the collectives benchmark's fit), the ZeRO paper's memory (chapter
+06, used by the zero benchmark), Newton-Schulz FLOPs (chapter 07), step time and memory
+at scale (chapter 08).
 
 A step on N GPUs is predicted from three kinds of figures:
 
@@ -44,7 +49,7 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from minidist.model import GPTConfig, config_num_params, flops_per_token
+from minidist.model import PRESETS, GPTConfig, config_num_params, flops_per_token
 
 GB = 1e9  # decimal, as the datasheets count
 
@@ -83,8 +88,8 @@ MODELS = {
 STRATEGIES = ("dp", "zero1", "zero2", "zero3")
 
 # Chapter 02's table, written out: the share of the buffer S each rank sends, and the
-# messages each rank sends one after another (tests/test_cost_model.py checks these
-# against minidist.bench.RING, which the benchmark fits alpha and beta with).
+# messages each rank sends one after another (tests/test_comm.py counts the bytes on the
+# wire; minidist.bench.collectives fits alpha and beta with these).
 SENT_FRACTION = {"all_reduce": lambda n: 2 * (n - 1) / n,
                  "reduce_scatter": lambda n: (n - 1) / n,
                  "all_gather": lambda n: (n - 1) / n}
@@ -179,13 +184,13 @@ def step_time(cfg: GPTConfig, strategy: str, n: int, hw: Hardware, micro_batch: 
                 tokens_per_gpu=micro_batch * T)
 
 
-def model_state_bytes(psi: float, n: int, stage: int, k: int = 12) -> float:
-    """The ZeRO paper's model states per GPU (Rajbhandari et al., 2020, figure 1): 2 bytes
-    of 16-bit parameters, 2 of 16-bit gradients and K of optimizer state per parameter
-    (K = 12: fp32 master weights and Adam's two moments), stage s sharding the first s
-    of: optimizer state, gradients, parameters. (minidist.bench_zero.formula_bytes is the
-    same formula with fp32 defaults; a benchmark module, so not imported here.)"""
-    params, grads, state = 2 * psi, 2 * psi, k * psi
+def model_state_bytes(psi: float, n: int, stage: int, k: int = 12, p: int = 2, g: int = 2) -> float:
+    """The ZeRO paper's model states per GPU (Rajbhandari et al., 2020, figure 1): p bytes
+    of parameters, g of gradients and K of optimizer state per parameter, stage s sharding
+    the first s of: optimizer state, gradients, parameters. The defaults are the paper's
+    mixed precision (16-bit parameters and gradients; K = 12: fp32 master weights and
+    Adam's two moments); an fp32 AdamW run is p = g = 4, K = 8."""
+    params, grads, state = p * psi, g * psi, k * psi
     if stage >= 1:
         state /= n
     if stage >= 2:
@@ -193,6 +198,13 @@ def model_state_bytes(psi: float, n: int, stage: int, k: int = 12) -> float:
     if stage >= 3:
         params /= n
     return params + grads + state
+
+
+def ns_flops(m: int, n: int, steps: int = 5) -> int:
+    """FLOPs of `steps` Newton-Schulz iterations on an m x n matrix (m <= n after the
+    transpose): X X^T (2 m^2 n), A A (2 m^3), B X (2 m^2 n) per step (chapter 07)."""
+    m, n = min(m, n), max(m, n)
+    return steps * (4 * m * m * n + 2 * m**3)
 
 
 def activation_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int | None = None) -> float:
@@ -224,7 +236,7 @@ def predict(cfg: GPTConfig, strategy: str, n: int, hw: Hardware, micro_batch: in
 
 def hardware_from_fit(fit: dict, n: int, peak_flops: float = 1.0, overlap: float = 0.0) -> Hardware:
     """A one-node 'cluster' whose links are the alpha and beta that
-    minidist.bench.fit_alpha_beta measured here (bench_out/collectives.json). Overlap is
+    minidist.bench.collectives.fit_alpha_beta measured here (bench_out/collectives.json). Overlap is
     0 by default: on a CPU, communication and compute compete for the same cores."""
     bw = 1 / fit["beta_s_per_byte"] / GB
     return Hardware(name=f"this machine, gloo, N={n}", peak_flops=peak_flops, mfu=1.0,
@@ -252,7 +264,6 @@ def compare_with_measured(out: Path) -> list[dict]:
     fits = (_load(out / "collectives.json") or {}).get("alpha_beta")
     if not fits:
         return []
-    from minidist.model import PRESETS
     tiny = GPTConfig(**PRESETS["tiny"], vocab_size=2048)  # what bench ddp and zero train
     psi, rows = config_num_params(tiny), []
     ddp = _load(out / "ddp.json")

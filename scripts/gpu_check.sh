@@ -65,7 +65,6 @@ stage train 150 python minidist/train_gpt.py --device "$DEVICE" --precision bf16
 stage memory 45 python - <<'PY'
 import json, os
 import torch
-from minidist.bench_zero import formula_bytes
 from minidist.cost_model import activation_bytes, model_state_bytes
 from minidist.model import GPT, PRESETS, GPTConfig, config_num_params
 
@@ -97,9 +96,9 @@ psi = out["psi"]
 out["tensors"] = {"params": nbytes(model.parameters()), "grads": nbytes(p.grad for p in model.parameters()),
                   "adamw_state": nbytes(v for s in opt.state.values() for v in s.values() if v.dim() > 0)}
 out["held_after_step"] = alloc()  # parameters + gradients + state, as the allocator sees them
-out["formula_fp32_16psi"] = formula_bytes(psi, 1, 0)  # 4 + 4 + 8 bytes per parameter
+out["formula_fp32_16psi"] = model_state_bytes(psi, 1, 0, k=8, p=4, g=4)  # 4 + 4 + 8 bytes per parameter
 out["activations_formula_bf16"] = activation_bytes(cfg, B, T)
-out["zero_per_gpu_GB"] = {f"N={n} stage {s}": {"fp32 (K=8)": formula_bytes(psi, n, s) / 1e9,
+out["zero_per_gpu_GB"] = {f"N={n} stage {s}": {"fp32 (K=8)": model_state_bytes(psi, n, s, k=8, p=4, g=4) / 1e9,
                                                "mixed (K=12)": model_state_bytes(psi, n, s) / 1e9}
                           for n in (8, 64, 1024) for s in range(4)}
 (__import__("pathlib").Path(os.environ["OUT"]) / "memory.json").write_text(json.dumps(out, indent=1))
@@ -113,7 +112,7 @@ stage newton_schulz 45 python - <<'PY'
 import json, os, statistics, time
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns  # torch's, the oracle
-from minidist.bench_muon import ns_flops
+from minidist.cost_model import ns_flops
 from minidist.muon import newton_schulz
 
 dev, small = torch.device(os.environ["DEVICE"]), os.environ["SMALL"] == "1"

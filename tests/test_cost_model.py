@@ -1,8 +1,8 @@
-"""minidist.cost_model against oracles written out here: chapter 02's ring formulas (as
-minidist.bench.RING holds them), the ZeRO paper's memory formula, step times computed by
-hand for a network whose alpha and beta are known, and an event-by-event simulation of
-the overlap. Then `python -m minidist.bench scale` and `all` end to end (no training: the
-other benchmarks are stubs here; tests/test_bench.py runs them)."""
+"""minidist.cost_model against oracles written out here: chapter 02's ring formulas, the
+ZeRO paper's memory formula, Newton-Schulz FLOPs counted matmul by matmul, step times
+computed by hand for a network whose alpha and beta are known, and an event-by-event
+simulation of the overlap. Then `python -m minidist.bench scale` and `all` end to end (no
+training: the other benchmarks are stubs here; tests/test_bench.py runs them)."""
 
 import json
 import math
@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from minidist import bench, bench_zero, cost_model as cm
+from minidist import cost_model as cm
+from minidist.bench import __main__ as cli, collectives
 from minidist.model import GPT, PRESETS, GPTConfig, config_num_params, num_params
 from conftest import run
 
@@ -18,16 +19,31 @@ NS = [1, 2, 3, 4, 7, 8, 9, 16, 64, 1000, 1024]
 TINY = GPTConfig(**PRESETS["tiny"], vocab_size=2048)
 
 
-def test_collective_formulas_are_the_rings_of_bench():
-    for op, (fraction, steps) in bench.RING.items():
+# chapter 02's ring, written out by hand: bytes each rank sends as a share of S, messages
+RING = {"all_reduce": (lambda n: 2 * (n - 1) / n, lambda n: 2 * (n - 1)),
+        "reduce_scatter": (lambda n: (n - 1) / n, lambda n: n - 1),
+        "all_gather": (lambda n: (n - 1) / n, lambda n: n - 1)}
+
+
+def test_collective_formulas_are_the_rings_of_chapter_02():
+    for op, (fraction, steps) in RING.items():
         for n in NS:
             assert cm.SENT_FRACTION[op](n) == pytest.approx(fraction(n), abs=1e-15)
             assert cm.MESSAGES["ring"][op](n) == steps(n)
+    for op, (fraction, steps) in collectives.RING.items():  # what the benchmark fits with
+        want = RING["all_reduce" if op.startswith("all_reduce") else op]
+        assert [(fraction(n), steps(n)) for n in NS] == [(want[0](n), want[1](n)) for n in NS]
+
+
+def test_newton_schulz_flop_count_matches_the_matmuls():
+    m, n = 3, 7  # per step: (m x n)(n x m), (m x m)(m x m), (m x m)(m x n): 2mnm + 2mmm + 2mmn
+    assert cm.ns_flops(m, n, steps=1) == 2 * m * n * m + 2 * m**3 + 2 * m * m * n
+    assert cm.ns_flops(n, m) == cm.ns_flops(m, n)  # a tall matrix is iterated transposed
 
 
 @pytest.mark.parametrize("strategy", cm.STRATEGIES)
 def test_bytes_sent_per_step_are_the_rings_volumes(strategy):
-    ar, rs, ag = (bench.RING[op][0] for op in ("all_reduce", "reduce_scatter", "all_gather"))
+    ar, rs, ag = (RING[op][0] for op in ("all_reduce", "reduce_scatter", "all_gather"))
     cfg = GPTConfig(n_layer=3, n_head=2, n_embd=64, block_size=32, vocab_size=101)
     psi = config_num_params(cfg)
     for n in NS:
@@ -68,10 +84,11 @@ def test_zero_memory_is_the_papers_formula():
         for n in (1, 2, 8, 64, 1024):
             by_hand = [(2 + 2 + 12) * psi, (2 + 2) * psi + 12 * psi / n,
                        2 * psi + (2 + 12) * psi / n, (2 + 2 + 12) * psi / n]
+            fp32_adamw = [16 * psi, 8 * psi + 8 * psi / n, 4 * psi + 12 * psi / n, 16 * psi / n]
             for stage in range(4):
                 assert cm.model_state_bytes(psi, n, stage) == pytest.approx(by_hand[stage], rel=1e-12)
-                assert cm.model_state_bytes(psi, n, stage) == pytest.approx(
-                    bench_zero.formula_bytes(psi, n, stage, k=12, p=2, g=2), rel=1e-12)
+                assert cm.model_state_bytes(psi, n, stage, k=8, p=4, g=4) == pytest.approx(
+                    fp32_adamw[stage], rel=1e-12)  # what bench zero compares its runs with
     # Rajbhandari et al. 2020, figure 1: 7.5B parameters on 64 GPUs
     assert [round(cm.model_state_bytes(7.5e9, 64, s) / 1e9, 1) for s in range(4)] == [120.0, 31.4, 16.6, 1.9]
 
@@ -114,8 +131,8 @@ def _known_network():
     """alpha 200 us and 2 GB/s, measured by the benchmark's own fit from exact timings."""
     alpha, beta = 200e-6, 1 / 2e9
     rows = [{"op": op, "world_size": 4, "bytes": S, "ours_s": steps(4) * alpha + f(4) * S * beta}
-            for op, (f, steps) in bench.RING.items() for S in (1 << 12, 1 << 20, 1 << 24)]
-    return alpha, beta, bench.fit_alpha_beta(rows)
+            for op, (f, steps) in RING.items() for S in (1 << 12, 1 << 20, 1 << 24)]
+    return alpha, beta, collectives.fit_alpha_beta(rows)
 
 
 def test_step_time_from_a_known_network_by_hand():
@@ -175,14 +192,14 @@ def _stub(name, fail=False):
 @pytest.mark.parametrize("broken", [None, "ddp"])
 def test_all_writes_one_report_and_survives_a_failure(tmp_path, monkeypatch, broken):
     for name in ("collectives", "ddp", "zero", "muon"):  # scale is real: it is fast
-        monkeypatch.setitem(bench.BENCHMARKS, name, _stub(name, fail=name == broken))
+        monkeypatch.setitem(cli.BENCHMARKS, name, _stub(name, fail=name == broken))
     argv = ["all", "--quick", "--out", str(tmp_path)]
     if broken:
         with pytest.raises(SystemExit) as e:
-            bench.main(argv)
+            cli.main(argv)
         assert e.value.code not in (0, None)
     else:
-        bench.main(argv)
+        cli.main(argv)
     report = (tmp_path / "report.md").read_text()
     for name in ("collectives", "ddp", "zero", "muon", "scale"):
         assert f"## {name}" in report

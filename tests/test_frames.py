@@ -13,7 +13,7 @@ from conftest import ROOT
 
 DOCS = sorted((ROOT / "chapters").glob("*.md")) + [ROOT / "README.md"]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-MODULES = sorted((ROOT / "minidist").glob("*.py"))
+MODULES = sorted((ROOT / "minidist").rglob("*.py"))  # subpackages too: zero/, bench/
 
 
 def _names(folder, suffix):
@@ -120,21 +120,113 @@ def test_notebook_runs_top_to_bottom(nb):
                    resources={"metadata": {"path": str(nb.parent)}}).execute()
 
 
-@pytest.mark.parametrize("mod", MODULES, ids=lambda p: p.name)
+# The floors of the house, bottom to top. A module imports minidist modules only from the
+# floors below its own; on its own floor, only what SAME_FLOOR declares, or (inside a
+# package such as zero/ or bench/) the package's own modules. Names are dotted paths under
+# minidist/ ("zero.stage3" is minidist/zero/stage3.py, "zero" its __init__.py).
+FLOORS = {
+    "ground": {"dist", "launch", "model", "data", "metrics", "faults"},
+    "techniques": {"comm", "ddp", "scaler", "muon", "newton_schulz", "checkpoint", "checkpoint_io",
+                   "cost_model", "recompute", "memory", "plan"},
+    "zero": {"zero", "zero.*"},  # stands on ddp (make_buckets) and comm
+    "train": {"train"},  # the training library, on every technique and ZeRO
+    "top": {"flags", "train_gpt", "bench", "bench.*"},  # nothing imports these but themselves
+}
+SAME_FLOOR = {  # module: what it may import on its own floor
+    "launch": {"dist"},
+    "muon": {"newton_schulz"},
+    "checkpoint": {"checkpoint_io"},
+    "memory": {"cost_model", "scaler", "recompute"},
+    "plan": {"cost_model", "memory", "recompute"},
+    "train_gpt": {"flags"},
+    "bench.*": {"flags"},  # AUTO, train_gpt's defaults; never train_gpt itself
+}
+ORDER = list(FLOORS)
+
+
+def _module_name(path):
+    parts = list(path.relative_to(ROOT / "minidist").with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _match(name, patterns):
+    return any(name == p or (p.endswith(".*") and name.startswith(p[:-1])) for p in patterns)
+
+
+def _floor(name):
+    return next((f for f, names in FLOORS.items() if _match(name, names)), None)
+
+
+def _minidist_imports(path):
+    """The minidist modules `path` imports (anywhere in it, lazy imports included), as
+    dotted names under minidist/; `from minidist.x import y` counts minidist.x.y when y is
+    a module, else minidist.x."""
+    names = {_module_name(p) for p in MODULES}
+    me = _module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name[len("minidist."):] for a in node.names if a.name.startswith("minidist.")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from . import x, from .layout import y
+                base = package.split(".")[:len(package.split(".")) - node.level + 1] if package else []
+                module = ".".join(base + ([node.module] if node.module else []))
+            elif node.module == "minidist" or (node.module or "").startswith("minidist."):
+                module = node.module[len("minidist."):] if node.module != "minidist" else ""
+            else:
+                continue
+            for a in node.names:
+                sub = f"{module}.{a.name}" if module else a.name
+                found.add(sub if sub in names else module)
+    return found - {""}
+
+
+@pytest.mark.parametrize("mod", MODULES, ids=lambda p: str(p.relative_to(ROOT / "minidist")))
 def test_modules_are_readable_and_layered(mod):
-    if mod.name == "__init__.py":
+    name = _module_name(mod)
+    if not name:  # minidist/__init__.py
         return
     src = mod.read_text()
     assert len(src.splitlines()) <= 330, f"{mod.name} is over ~300 lines: split it by concept"
-    doc = ast.get_docstring(ast.parse(src)) or ""
-    m = re.search(r"Chapter (\d\d)", doc)
-    assert m, f"{mod.name}'s docstring must name its chapter"
-    assert 1 <= int(m.group(1)) <= 8, "the curriculum has chapters 01 to 08"
+    if mod.name != "__init__.py":
+        doc = ast.get_docstring(ast.parse(src)) or ""
+        m = re.search(r"Chapter (\d\d)", doc)
+        assert m, f"{mod.name}'s docstring must name its chapter"
+        assert 1 <= int(m.group(1)) <= 9, "the curriculum has chapters 01 to 09"
+    floor = _floor(name)
+    assert floor, (f"minidist/{mod.relative_to(ROOT / 'minidist')} is on no floor: add {name!r} to FLOORS in "
+                   f"tests/test_frames.py ({', '.join(ORDER)}), and to SAME_FLOOR what it may import on its own floor")
+    allowed = set().union(*(v for k, v in SAME_FLOOR.items() if _match(name, {k})))
+    package = name.partition(".")[0] if _floor(name.partition(".")[0]) == floor else None
+    for dep in sorted(_minidist_imports(mod)):
+        dep_floor = _floor(dep)
+        assert dep_floor, f"{name} imports minidist.{dep}, which is on no floor"
+        same_package = package is not None and dep.partition(".")[0] == package
+        ok = ORDER.index(dep_floor) < ORDER.index(floor) or (
+            dep_floor == floor and (_match(dep, allowed) or same_package))
+        assert ok, (f"minidist.{name} (floor {floor!r}) imports minidist.{dep} (floor {dep_floor!r}): "
+                    f"imports go down the floors; move the shared piece lower, or declare the edge in "
+                    f"SAME_FLOOR if both belong on one floor")
     imports = {n.module for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ImportFrom) and n.module}
     imports |= {a.name for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Import) for a in n.names}
-    if mod.stem in ("model", "data"):  # the ground floor: imports nothing of minidist
-        assert not any(i.startswith("minidist") for i in imports), imports
-    if mod.stem == "dist":
-        assert not any(i.startswith("minidist") for i in imports), imports
     # torch's own parallel wrappers are oracles for tests, never building blocks
     assert not any(re.search(r"parallel|fsdp|ZeroRedundancy", i) for i in imports), imports
+
+
+def test_layered_imports_have_no_cycles():
+    graph = {_module_name(p): _minidist_imports(p) for p in MODULES}
+    state = {}  # name -> "open" while on the path, "done" after
+
+    def visit(node, path):
+        state[node] = "open"
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == "open":
+                cycle = path[path.index(dep):] + [dep]
+                pytest.fail("import cycle: " + " -> ".join(f"minidist.{n}" for n in cycle))
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[node] = "done"
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])

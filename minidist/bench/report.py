@@ -1,6 +1,7 @@
 """`python -m minidist.bench all`: every benchmark in one go, and one report.md. Chapter 08
 (chapters/08_at_scale.md). Exercised by `python -m minidist.bench all --quick` and
-tests/test_cost_model.py (with stub benchmarks).
+tests/test_cost_model.py (with stub benchmarks). minidist/bench/__main__.py hands it the
+benchmarks by name, so this module imports none of them.
 
 Runs collectives, ddp, zero, muon and scale, in that order (scale last: it compares its
 model with what the others just measured), with the same arguments, each writing its
@@ -107,8 +108,8 @@ def render(sections: list[dict], info: dict, argv: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_all(args) -> dict:
-    from minidist.bench import BENCHMARKS
+def run_all(args, benchmarks: dict) -> dict:
+    """Run benchmarks[name](args) for each name of ORDER; write report.md and all.png."""
     out = Path(args.out)
     sections = []
     for name in ORDER:
@@ -117,7 +118,7 @@ def run_all(args) -> dict:
         result = error = None
         try:
             with contextlib.redirect_stdout(tee):
-                result = BENCHMARKS[name](args)
+                result = benchmarks[name](args)
             (out / f"{name}.json").write_text(json.dumps(result, indent=1))
         except (Exception, SystemExit):  # record it and go on: one broken benchmark must not hide
             # the rest (SystemExit too: an argparse error inside a benchmark raises it)

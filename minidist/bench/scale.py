@@ -39,7 +39,7 @@ def markdown_table(rows) -> str:
     return "\n".join(lines)
 
 
-def scale(args) -> dict:
+def run(args) -> dict:
     hw = Hardware()
     models = {k: MODELS[k] for k in ("124M", "7B")} if args.quick else MODELS
     ns = [8, 64, 1024] if args.quick else [2 ** k for k in range(3, 11)]

@@ -21,29 +21,26 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from minidist.comm import all_reduce, count_bytes
+from minidist.cost_model import model_state_bytes
+from minidist.ddp import DDP
+from minidist.flags import AUTO
 from minidist.launch import launch
+from minidist.model import GPT, PRESETS, GPTConfig, config_num_params
+from minidist.train import forward_backward
+from minidist.zero import zero_optimizer
 
 
-def formula_bytes(psi: float, n: int, stage: int, k: int = 8, p: int = 4, g: int = 4) -> float:
-    """Per-rank bytes of parameters (p per element), gradients (g) and optimizer state (k)
-    under ZeRO `stage` on n ranks (Rajbhandari et al., 2020, figure 1)."""
-    params, grads, state = p * psi, g * psi, k * psi
-    if stage >= 1:
-        state /= n
-    if stage >= 2:
-        grads /= n
-    if stage >= 3:
-        params /= n
-    return params + grads + state
+def fp32_formula_bytes(psi: float, n: int, stage: int) -> float:
+    """What the run here should hold per rank: the ZeRO paper's formula with fp32
+    parameters and gradients (4 bytes each) and AdamW's two fp32 moments (K = 8)."""
+    return model_state_bytes(psi, n, stage, k=8, p=4, g=4)
 
 
 VARIANTS = ["stage0", "stage1", "stage2", "stage3", "stage3_no_prefetch"]
 
 
 def _build(name, cfg, collectives):
-    from minidist.ddp import DDP
-    from minidist.model import GPT, GPTConfig
-    from minidist.zero import zero_optimizer
     torch.manual_seed(0)
     model = GPT(GPTConfig(**cfg))
     kw = dict(lr=1e-4, betas=(0.9, 0.95))
@@ -57,8 +54,6 @@ def _build(name, cfg, collectives):
 
 
 def _measure(cfg, per_rank_batch, rounds, steps):
-    from minidist.comm import all_reduce, count_bytes
-    from minidist.train import forward_backward
     nbytes = lambda t: t.numel() * t.element_size()
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(rank)
@@ -102,9 +97,7 @@ def _measure(cfg, per_rank_batch, rounds, steps):
     return out if rank == 0 else None
 
 
-def zero(args) -> dict:
-    from minidist.model import PRESETS, config_num_params, GPTConfig
-    from minidist.flags import AUTO
+def run(args) -> dict:
     cfg = dict(PRESETS["tiny"], vocab_size=2048)  # train_gpt's CPU default model
     global_batch, rounds, steps = AUTO["cpu"]["batch_size"], 8, 2
     if args.quick:
@@ -124,7 +117,7 @@ def zero(args) -> dict:
             if name in r["memory"]:
                 m = r["memory"][name]
                 held = m["params"] + m["grads"] + m["optimizer_state"]
-                f = formula_bytes(psi, n, stage)
+                f = fp32_formula_bytes(psi, n, stage)
                 line += (f" {held / 1e6:8.3f} {f / 1e6:10.3f} {held / f:6.3f} {r['sent'][name] / 1e6:8.3f}"
                          f" {r['sent'][name] / (4 * psi * (n - 1) / n):12.2f}")
             else:
@@ -137,7 +130,7 @@ def zero(args) -> dict:
     print(f"{'model':>10} {'N':>4} {'stage 0':>8} {'stage 1':>8} {'stage 2':>8} {'stage 3':>8}")
     for label, size in (("GPT-2 124M", 124e6), ("1.5B", 1.5e9), ("7.5B", 7.5e9)):
         for n in (8, 64):
-            row = [formula_bytes(size, n, s, k=12, p=2, g=2) / 1e9 for s in range(4)]
+            row = [model_state_bytes(size, n, s) / 1e9 for s in range(4)]
             table[f"{label} N={n}"] = row
             print(f"{label:>10} {n:4d} " + " ".join(f"{v:8.2f}" for v in row))
     result["paper_table_gb"] = table
@@ -154,7 +147,7 @@ def _plot(result, path) -> None:
     for ax, (n, r) in zip(axes[0], runs.items()):
         names = [v for v in VARIANTS if v in r["memory"]]
         held = [sum(r["memory"][v][k] for k in ("params", "grads", "optimizer_state")) / 1e6 for v in names]
-        form = [formula_bytes(result["psi"], n, int(v[5])) / 1e6 for v in names]
+        form = [fp32_formula_bytes(result["psi"], n, int(v[5])) / 1e6 for v in names]
         xs = range(len(names))
         ax.bar([x - 0.2 for x in xs], held, 0.4, label="measured")
         ax.bar([x + 0.2 for x in xs], form, 0.4, label="formula")

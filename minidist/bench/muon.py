@@ -18,13 +18,19 @@ Three measurements, each beside torch's equivalent or a published bound:
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from minidist.cost_model import ns_flops
+from minidist.flags import AUTO
 from minidist.launch import launch
 from minidist.model import GPT, PRESETS, GPTConfig
 from minidist.muon import Muon, newton_schulz, split_params
@@ -40,13 +46,6 @@ def _median_time(fn, repeat: int, sync=lambda: None) -> float:
         sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def ns_flops(m: int, n: int, steps: int = 5) -> int:
-    """FLOPs of `steps` Newton-Schulz iterations on an m x n matrix (m <= n after the
-    transpose): X X^T (2 m^2 n), A A (2 m^3), B X (2 m^2 n) per step."""
-    m, n = min(m, n), max(m, n)
-    return steps * (4 * m * m * n + 2 * m**3)
 
 
 def _ns_sizes(quick: bool, device):
@@ -67,7 +66,6 @@ def _ns_sizes(quick: bool, device):
 
 def _model_cfg(quick: bool, device) -> tuple[dict, int, int]:
     """train_gpt's default model for the device (tiny on CPU, GPT-2 on GPU), its batch."""
-    from minidist.flags import AUTO
     auto = AUTO[device.type]
     vocab = 50257 if auto["tokenizer"] == "gpt2" else int(auto["tokenizer"].split("-")[1])
     cfg = dict(PRESETS[auto["preset"]], vocab_size=vocab)
@@ -115,9 +113,20 @@ def _distributed_step(cfg: dict, repeat: int) -> float | None:
     return t if dist.get_rank() == 0 else None
 
 
+def _train(argv: list[str], out_dir: Path) -> list[dict]:
+    """One run of the training entry point, as a user starts it (one process, no
+    torchrun); its logged rows, from the metrics.jsonl it writes."""
+    root = Path(__file__).resolve().parents[2]  # the folder that holds minidist/
+    cmd = [sys.executable, "-m", "minidist.train_gpt", *argv, "--out-dir", str(out_dir)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def _train_curves(quick: bool, out: Path) -> dict:
     """Muon vs AdamW, each at three learning rates, same model, data and steps."""
-    from minidist import train_gpt
     steps, evals = (12, 4) if quick else (300, 20)
     common = ["--device", "cpu", "--steps", str(steps), "--eval-interval", str(evals),
               "--log-interval", str(evals), "--sample-tokens", "0", "--warmup-steps", "2" if quick else "20"]
@@ -127,8 +136,7 @@ def _train_curves(quick: bool, out: Path) -> dict:
     runs = {}
     for name, lrs, flag in (("adamw", [1.5e-3, 3e-3, 6e-3], "--lr"), ("muon", [0.01, 0.02, 0.04], "--muon-lr")):
         for lr in lrs[1:2] if quick else lrs:  # --quick: a smoke test, one run each
-            argv = common + windows + ["--optimizer", name, flag, str(lr), "--out-dir", str(out / f"{name}_{lr:g}")]
-            rows = launch(train_gpt.main, 1, argv, timeout_s=3600)[0]["rows"]
+            rows = _train(common + windows + ["--optimizer", name, flag, str(lr)], out / f"{name}_{lr:g}")
             curve = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
             runs[f"{name} lr={lr:g}"] = dict(optimizer=name, lr=lr, curve=curve, final=curve[-1][1])
             print(f"  {name:5} lr={lr:<8g} final val loss {curve[-1][1]:.4f}")
@@ -149,7 +157,7 @@ def _train_curves(quick: bool, out: Path) -> dict:
                 step_ratio=reach / steps if reach is not None else None)
 
 
-def muon(args) -> dict:
+def run(args) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out = Path(args.out)
     print("1. Newton-Schulz (5 steps), ours vs torch.optim.Muon's, by matrix size")
