@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import math
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -124,16 +125,21 @@ def step_memory(cfg: GPTConfig, micro_batch: int, seq_len: int, world: int = 1, 
     else:             # full gradients of the unit being reduce-scattered, and its result
         in_flight = 2 * unit if stage == 2 else 0.0
     act = activation_bytes(cfg, B, T, precision, checkpointed)
-    # recomputation: one block's activations, rebuilt during backward, and their gradients
-    recompute = 2 * block_activation_bytes(B, T, d, cfg.n_head, precision) if checkpointed else 0
-    # the loss's gradient (fp32 B T V) and the logits' (in the autocast dtype), while the
-    # log-softmax output is still saved
-    logits_grad = B * T * V * (4 + ELEM[precision])
+    # recomputation: one block's activations, rebuilt during backward, and the gradient
+    # of its widest tensor (the MLP's hidden, fp32)
+    recompute = (block_activation_bytes(B, T, d, cfg.n_head, precision) + 16 * B * T * d
+                 if checkpointed else 0)
+    # the logits (autocast's dtype; train.forward_backward holds them through backward),
+    # and, as backward starts, the gradients of the log-softmax's output and of its input
+    # (fp32 B T V each), while that output is still saved
+    logits_grad = B * T * V * (ELEM[precision] + 8)
     start = states + act + logits_grad + (in_flight if stage == 3 else 0)
-    end = states + in_flight + recompute + 4 * B * T * d * 2
+    # recomputing the last block: the head's saved log-softmax is gone by then
+    during = states + in_flight + act - 4 * B * T * V + recompute
+    end = states + in_flight + 8 * B * T * d  # gradients complete; the embeddings' last
     out = dict(params=params, grads=grads, optimizer=optim, in_flight=in_flight,
                activations=act, transient=max(logits_grad, recompute),
-               peak=max(start, end, states + in_flight + act + recompute))
+               peak=max(start, during, end))
     return {k: float(v) for k, v in out.items()}
 
 
@@ -151,13 +157,13 @@ class LiveBytes(TorchDispatchMode):
     What an op allocates and frees inside itself is not seen; nor storages resized in
     place (ZeRO-3's gathers)."""
 
-    def __init__(self):
+    def __init__(self, exclude: set = frozenset()):
         super().__init__()
         self.watched: dict[int, tuple[StorageWeakRef, int]] = {}
         self.live = self.peak = 0
-        for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor) and not obj.is_meta:
-                self._add(obj)
+        for t in live_tensors():
+            if t.untyped_storage().data_ptr() not in exclude:
+                self._add(t)
         self.start = self.peak = self.live
 
     def _add(self, t: torch.Tensor) -> None:
@@ -181,11 +187,24 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-@contextmanager
-def measure_peak():
-    """with measure_peak() as m: ...; then m.peak, m.start: bytes of live tensors."""
+def live_tensors() -> list[torch.Tensor]:
+    """Every tensor Python can see (parameters, optimizer state, buffers, ...)."""
     gc.collect()
-    mode = LiveBytes()
+    with warnings.catch_warnings():  # isinstance on some torch modules' lazy attributes warns
+        warnings.simplefilter("ignore")
+        return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type != "meta"]
+
+
+def storages_now() -> set:
+    """The storages alive now: pass them to measure_peak(exclude=...) to leave out what
+    existed before the run being measured was built."""
+    return {t.untyped_storage().data_ptr() for t in live_tensors()}
+
+
+@contextmanager
+def measure_peak(exclude: set = frozenset()):
+    """with measure_peak() as m: ...; then m.peak, m.start: bytes of live tensors."""
+    mode = LiveBytes(exclude)
     with mode:
         yield mode
     mode._sweep()

@@ -1,0 +1,199 @@
+"""The planner: the ZeRO stage, micro-steps and recomputation that fit a memory budget, at
+the least communication and recomputation. Chapter 09 (chapters/09_memory.md). Exercised by
+
+    python -m minidist.plan --preset gpt2 --world-size 8 --budget-gb 80
+    python minidist/train_gpt.py --steps 20 --zero-stage auto --grad-accum-steps auto --activation-checkpointing auto
+    pytest tests/test_plan.py
+
+A configuration is a ZeRO stage s, a number k of micro-steps (the global batch split over
+N ranks and k steps, so B = batch / (N k) sequences per micro-batch) and recomputation on
+or off. Its memory per rank is minidist.memory.step_memory's peak; its price, compared in
+this order:
+
+1. bytes each rank sends per optimizer step: 2 Psi (N-1)/N elements for stages 0 and 1
+   (accumulation communicates once, in the last micro-step), (k + 1) Psi (N-1)/N for
+   stage 2 (a reduce-scatter every micro-step, one all-gather), 3 k Psi (N-1)/N for
+   stage 3 (gathers in forward and backward, a reduce-scatter, every micro-step);
+2. recomputation: a second forward of every block, about a quarter more compute (chapter
+   09 measures it);
+3. micro-steps: smaller micro-batches use the hardware less well;
+4. the stage: among equals, the simpler one.
+
+Memory falls as k grows and the price rises, so for each (stage, recomputation) the
+cheapest configuration that fits is the one with the fewest micro-steps that fits; the
+planner finds that one per family and takes the cheapest of the families
+(tests/test_plan.py checks it against a search of every configuration).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from minidist.cost_model import MODELS
+from minidist.memory import GB, step_memory
+from minidist.model import PRESETS, GPTConfig, config_num_params
+
+CPU_BUDGET_GB = 4.0  # per rank on a CPU, where nothing tells us what a process may use
+GPU_MARGIN = 0.10    # of a GPU's memory left out: CUDA context, allocator cache, NCCL buffers
+
+
+class PlanError(ValueError):
+    """No configuration fits; the message says what would."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    stage: int
+    accum: int
+    checkpointed: bool
+    micro_batch: int
+    peak: float        # bytes per rank, minidist.memory.step_memory
+    comm_bytes: float  # sent per rank per optimizer step
+
+    def price(self) -> tuple:
+        return (self.comm_bytes, self.checkpointed, self.accum, self.stage)
+
+    def describe(self) -> str:
+        steps = f"{self.accum} micro-step{'s' if self.accum > 1 else ''} of {self.micro_batch}"
+        return f"ZeRO-{self.stage}, {steps}, {'recomputation' if self.checkpointed else 'no recomputation'}"
+
+
+def comm_bytes(stage: int, accum: int, psi: int, world: int, elem: int = 4) -> float:
+    """Bytes each rank sends per optimizer step (fp32 gradients on the wire, as minidist)."""
+    share = psi * (world - 1) / world * elem
+    return {0: 2, 1: 2, 2: accum + 1, 3: 3 * accum}[stage] * share
+
+
+def default_budget_gb(device: str) -> float:
+    """The GPU's memory less GPU_MARGIN; on a CPU, CPU_BUDGET_GB."""
+    if device == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory * (1 - GPU_MARGIN) / GB
+    return CPU_BUDGET_GB
+
+
+def evaluate(cfg: GPTConfig, batch: int, seq_len: int, world: int, stage: int, accum: int,
+             checkpointed: bool, precision: str = "fp32", bucket_cap_mb: float = 25.0) -> Choice:
+    micro = batch // (world * accum)
+    peak = step_memory(cfg, micro, seq_len, world, stage, checkpointed, precision, bucket_cap_mb)["peak"]
+    return Choice(stage, accum, checkpointed, micro, peak, comm_bytes(stage, accum, config_num_params(cfg), world))
+
+
+def accum_options(batch: int, world: int) -> list[int]:
+    """Micro-steps that split this rank's share of the batch evenly."""
+    if batch % world:
+        raise PlanError(f"a batch of {batch} sequences does not divide over {world} ranks")
+    share = batch // world
+    return [k for k in range(1, share + 1) if share % k == 0]
+
+
+def plan(cfg: GPTConfig, batch: int, seq_len: int, world: int, budget_gb: float,
+         precision: str = "fp32", stages=(0, 1, 2, 3), accums=None, ckpts=(False, True),
+         bucket_cap_mb: float = 25.0) -> tuple[Choice, str]:
+    """The cheapest configuration whose peak fits `budget_gb`, and one line of reasoning."""
+    budget = budget_gb * GB
+    accums = sorted(accums or accum_options(batch, world))
+    best, cheapest_miss = None, None
+    for stage in stages:
+        for ck in ckpts:
+            for k in accums:  # fewest micro-steps first: the first that fits is this family's best
+                c = evaluate(cfg, batch, seq_len, world, stage, k, ck, precision, bucket_cap_mb)
+                if c.peak <= budget:
+                    if best is None or c.price() < best.price():
+                        best = c
+                    break
+                if cheapest_miss is None or c.price() < cheapest_miss.price():
+                    cheapest_miss = c
+    if best is None:
+        raise PlanError(_nothing_fits(cfg, batch, seq_len, world, budget_gb, precision, stages, bucket_cap_mb))
+    line = f"{best.describe()}: {best.peak / GB:.2f} of {budget_gb:.2f} GB"
+    if cheapest_miss is not None and cheapest_miss.price() < best.price():
+        line += f"; {cheapest_miss.describe()} needs {cheapest_miss.peak / GB:.2f} GB"
+    return best, line
+
+
+def _nothing_fits(cfg, batch, seq_len, world, budget_gb, precision, stages, bucket_cap_mb) -> str:
+    least = min((evaluate(cfg, batch, seq_len, world, s, batch // world, True, precision, bucket_cap_mb)
+                 for s in stages), key=lambda c: c.peak)
+    msg = (f"nothing fits {budget_gb:.2f} GB per rank: the smallest, {least.describe()}, needs "
+           f"{least.peak / GB:.2f} GB")
+    for n in (2 ** i for i in range(1, 21)):  # more ranks, the same global batch
+        if n > world and batch % n == 0 and 3 in stages:
+            c = evaluate(cfg, batch, seq_len, n, 3, batch // n, True, precision, bucket_cap_mb)
+            if c.peak <= budget_gb * GB:
+                return msg + f"; {n} ranks would fit it ({c.describe()}: {c.peak / GB:.2f} GB)"
+    return msg + "; use a shorter --seq-len, a smaller model, or a larger --memory-budget-gb"
+
+
+def resolve_auto(args, world: int, vocab_size: int) -> str | None:
+    """train_gpt's `auto` flags (--zero-stage, --grad-accum-steps, --activation-checkpointing)
+    filled in by the planner; returns its line of reasoning (None when nothing was auto)."""
+    autos = [a for a in ("zero_stage", "grad_accum_steps", "activation_checkpointing") if getattr(args, a) == "auto"]
+    if not autos:
+        return None
+    cfg = GPTConfig(**{**PRESETS[args.preset], "block_size": args.seq_len, "vocab_size": vocab_size,
+                       **{k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd") if getattr(args, k) is not None}})
+    zero_ok = args.optimizer != "muon" and args.dp == "bucketed"  # what flags.py allows with ZeRO
+    stages = ((0, 1, 2, 3) if zero_ok else (0,)) if args.zero_stage == "auto" else (args.zero_stage,)
+    accums = None if args.grad_accum_steps == "auto" else [args.grad_accum_steps]
+    ckpts = (False, True) if args.activation_checkpointing == "auto" else (args.activation_checkpointing == "blocks",)
+    budget = args.memory_budget_gb or default_budget_gb(args.device)
+    choice, line = plan(cfg, args.batch_size, args.seq_len, world, budget, args.precision, stages, accums,
+                        ckpts, args.bucket_cap_mb)
+    args.zero_stage, args.grad_accum_steps = choice.stage, choice.accum
+    args.activation_checkpointing = "blocks" if choice.checkpointed else "none"
+    return line
+
+
+# ------------------------------------------------------------------ the table
+
+def _config(name: str) -> GPTConfig:
+    if name in MODELS:
+        return MODELS[name]
+    if name in PRESETS:
+        return GPTConfig(**PRESETS[name])
+    raise SystemExit(f"unknown model {name!r}: one of {', '.join([*PRESETS, *MODELS])}")
+
+
+def table(cfg: GPTConfig, batch: int, seq_len: int, world: int, budget_gb: float, precision: str) -> list[str]:
+    """Every configuration for one model, world size and budget, cheapest first."""
+    rows = [evaluate(cfg, batch, seq_len, world, s, k, ck, precision)
+            for s in (0, 1, 2, 3) for ck in (False, True) for k in accum_options(batch, world)]
+    rows.sort(key=Choice.price)
+    return [f"  {'fits' if c.peak <= budget_gb * GB else '    '}  {c.describe():55s} {c.peak / GB:8.2f} GB  "
+            f"{c.comm_bytes / GB:7.2f} GB sent" for c in rows]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description="What fits a memory budget, and what it costs.")
+    p.add_argument("--preset", default="gpt2", help=f"one of {', '.join([*PRESETS, *MODELS])}")
+    p.add_argument("--world-size", type=int, default=8)
+    p.add_argument("--budget-gb", type=float, default=80.0, help="per rank")
+    p.add_argument("--batch-size", type=int, default=None, help="global, in sequences (default 8 per rank)")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
+    a = p.parse_args(argv)
+    cfg = _config(a.preset)
+    batch = a.batch_size or 8 * a.world_size
+    print(f"{a.preset}: {config_num_params(cfg) / 1e6:.0f}M parameters, {a.world_size} ranks, batch "
+          f"{batch} x {a.seq_len}, {a.precision}, budget {a.budget_gb:g} GB per rank")
+    try:
+        print("  plan: " + plan(cfg, batch, a.seq_len, a.world_size, a.budget_gb, a.precision)[1])
+    except PlanError as e:
+        print(f"  plan: {e}")
+    if len(accum_options(batch, a.world_size)) <= 8:
+        print("\n".join(table(cfg, batch, a.seq_len, a.world_size, a.budget_gb, a.precision)))
+    print(f"\nevery model, 8 sequences of {a.seq_len} per rank per step, {a.budget_gb:g} GB per rank:")
+    for name, c in MODELS.items():
+        for n in (1, 8, 64, 1024):
+            try:
+                line = plan(c, 8 * n, a.seq_len, n, a.budget_gb, a.precision)[1].split(";")[0]
+            except PlanError as e:
+                line = str(e).split(";")[0]
+            print(f"  {name:>5s} x {n:4d}: {line}")
+
+
+if __name__ == "__main__":
+    main()
