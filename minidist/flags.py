@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from minidist import checkpoint, data, faults
 from minidist.model import PRESETS
+from minidist.plan import PlanError, resolve_auto
 from minidist.scaler import LossScaler
 
 # What "auto" means on each kind of device: a run that fits the machine.
@@ -67,12 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
       help="gradient averaging: one all-reduce per parameter after backward, one of a flat "
            "buffer after backward, or buckets overlapped with backward (minidist.ddp.DDP)")
     a("--bucket-cap-mb", type=float, default=25.0, help="bucket size for --dp bucketed")
-    a("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3],
+    a("--zero-stage", type=_int_or_auto, default=0, choices=[0, 1, 2, 3, "auto"],
       help="ZeRO: 1 shards AdamW's state over ranks, 2 also the gradients (reduce-scattered "
            "during backward), 3 also the parameters (gathered per block, prefetched); 0 is "
-           "plain data parallelism (--dp)")
-    a("--grad-accum-steps", type=int, default=1,
-      help="micro-steps per optimizer step; --batch-size is split over ranks and micro-steps")
+           "plain data parallelism (--dp); auto: the planner picks (chapter 09, minidist/plan.py)")
+    a("--grad-accum-steps", type=_int_or_auto, default=1,
+      help="micro-steps per optimizer step; --batch-size is split over ranks and micro-steps; "
+           "auto: the planner picks")
+    a("--activation-checkpointing", default="none", choices=["none", "blocks", "auto"],
+      help="blocks: keep only each transformer block's input and recompute the block in "
+           "backward (minidist/recompute.py); auto: the planner decides")
+    a("--memory-budget-gb", type=float,
+      help="per rank, for the auto flags (default: the GPU's memory less 10%%; on CPU 4)")
     a("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
       help="autocast dtype of the forward pass; parameters, gradients and optimizer state stay "
            "fp32; fp16 always runs with dynamic loss scaling (minidist.scaler.LossScaler)")
@@ -100,7 +107,12 @@ MAY_CHANGE_ON_RESUME = {"device", "dp", "bucket_cap_mb", "zero_stage", "grad_acc
                         "precision", "loss_scale_init", "loss_scale_growth_interval",
                         "loss_scale_hysteresis", "eval_interval", "eval_windows", "log_interval",
                         "final_eval_windows", "sample_tokens", "out_dir", "checkpoint_every",
-                        "keep_checkpoints", "resume", "debug_collectives"}
+                        "keep_checkpoints", "resume", "debug_collectives",
+                        "activation_checkpointing", "memory_budget_gb", "plan"}
+
+
+def _int_or_auto(s: str):
+    return s if s == "auto" else int(s)
 
 
 def resolve_args(args, world_size: int) -> argparse.Namespace:
@@ -130,6 +142,18 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
             p.error(f"--{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
     if args.warmup_steps < 0 or args.warmup_steps >= args.steps:
         p.error(f"--warmup-steps must be in [0, --steps), got {args.warmup_steps}")
+    args.plan = None  # chapter 09: the planner fills in what is "auto"
+    if "auto" in (args.zero_stage, args.grad_accum_steps, args.activation_checkpointing):
+        if args.memory_budget_gb is not None and not args.memory_budget_gb > 0:
+            p.error(f"--memory-budget-gb must be > 0, got {args.memory_budget_gb}")
+        try:
+            vocab = data.get_tokenizer(args.tokenizer).n_vocab
+        except (ValueError, ImportError, FileNotFoundError) as e:
+            p.error(str(e))
+        try:
+            args.plan = resolve_auto(args, world_size, vocab)
+        except PlanError as e:
+            p.error(f"the planner: {e}")
     if args.grad_accum_steps < 1:
         p.error(f"--grad-accum-steps must be >= 1, got {args.grad_accum_steps}")
     parts = world_size * args.grad_accum_steps

@@ -30,6 +30,7 @@ from minidist.dist import cleanup, init
 from minidist.flags import agree_across_ranks, build_parser, make_scaler, resolve_args
 from minidist.model import GPT, PRESETS, GPTConfig, flops_per_token, num_params
 from minidist.muon import check_routing
+from minidist.recompute import set_activation_checkpointing
 from minidist.train import evaluate, forward_backward, lr_at, make_optimizers
 
 
@@ -59,6 +60,7 @@ def main(argv=None) -> dict:
                        **{k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd")
                           if getattr(args, k) is not None}})
     model = GPT(cfg).to(info.device)
+    set_activation_checkpointing(model, args.activation_checkpointing == "blocks")  # chapter 09
     broadcast_module(model)  # identical start on every rank, whatever the seeds did
     ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb) if args.dp == "bucketed" and not args.zero_stage else None
     opts = make_optimizers(model, args)
@@ -77,6 +79,8 @@ def main(argv=None) -> dict:
         f"{num_params(model) / 1e6:.2f}M params, {cfg.n_layer}L {cfg.n_head}H {cfg.n_embd}d, "
         f"vocab {cfg.vocab_size} ({args.tokenizer}) | batch {args.batch_size} x {args.seq_len} "
         f"tokens ({k} micro-step{'s' if k > 1 else ''}) | dp {args.dp} | {args.precision} | {args.optimizer}{f' zero-{args.zero_stage}' if args.zero_stage else ''} | {args.steps} steps | MFU vs {peak_src}")
+    if args.plan:  # chapter 09: what the planner chose for the "auto" flags, and why
+        log(f"plan | {args.plan}")
 
     out, start, rows = Path(args.out_dir), 0, []
     if args.resume:  # the step, parameters, optimizer state, scaler and log rows so far
