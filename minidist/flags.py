@@ -208,8 +208,10 @@ def _check_numbers(p, args) -> None:
     floats) and none is negative; a few have an upper bound too."""
     for action in p._actions:
         v = getattr(args, action.dest, None)
-        if action.type in (int, float) and v is not None and (not math.isfinite(v) or v < 0):
-            p.error(f"{action.option_strings[0]} must be a finite number >= 0, got {v}")
+        inf_ok = action.dest == "bucket_cap_mb"  # inf: one bucket for everything
+        if action.type in (int, float) and v is not None and \
+                (math.isnan(v) or v < 0 or (math.isinf(v) and not inf_ok)):
+            p.error(f"{action.option_strings[0]} must be a {'' if inf_ok else 'finite '}number >= 0, got {v}")
     if args.dropout >= 1 or args.muon_momentum >= 1 or args.min_lr_ratio > 1:
         p.error(f"--dropout and --muon-momentum must be < 1 and --min-lr-ratio <= 1, got "
                 f"{args.dropout}, {args.muon_momentum} and {args.min_lr_ratio}")
