@@ -110,6 +110,7 @@ import torch
 import torch.distributed as dist
 
 from minidist import comm  # noqa: F401 - for you: comm.reduce_scatter, comm.all_gather
+from minidist.ddp import make_buckets  # DDP's buckets: the same bucket_cap_mb everywhere
 from minidist.zero import _Unit  # the flat padded bucket described above
 
 
@@ -161,17 +162,11 @@ class ShardedOptimizer:
                 p.register_post_accumulate_grad_hook(self._on_grad)
 
     def _make_units(self, ordered: list, group_of: dict, bucket_cap_mb) -> list[_Unit]:
-        """Written for you. Buckets of about bucket_cap_mb MiB, in reverse order (roughly
-        the order backward produces the gradients); a bucket holds at least one parameter."""
-        cap = (bucket_cap_mb or float("inf")) * 2**20
-        buckets, size = [[]], 0
-        for p in reversed(ordered):
-            if buckets[-1] and size + p.numel() * p.element_size() > cap:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(p)
-            size += p.numel() * p.element_size()
-        return [_Unit(b, group_of, self.rank, self.world) for b in buckets]
+        """Written for you. DDP's buckets (minidist.ddp.make_buckets: about bucket_cap_mb
+        MiB each, 0 one per parameter, None one for all), in reverse order (roughly the
+        order backward produces the gradients); a bucket holds at least one parameter."""
+        return [_Unit(b, group_of, self.rank, self.world)
+                for b in make_buckets(list(reversed(ordered)), bucket_cap_mb)]
 
     @property
     def param_groups(self):

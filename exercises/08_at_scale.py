@@ -218,8 +218,8 @@ def load(path, model, opt) -> int:
         "scalars saved); same world size: torch.set_rng_state(rank's own); return the step")
 
 
-# Where minidist implements each (minidist/checkpoint.py, through thin adapters that give
-# its save, load, Reader.read and _pieces_of these signatures); `python -m exercises.grade
+# Where minidist implements each (minidist/checkpoint.py and minidist.zero._Unit.pieces,
+# through thin adapters that give its save, load, Reader.read and pieces these signatures); `python -m exercises.grade
 # 08 --reference` grades these instead of the stubs above. Leave it as it is.
 REFERENCE = {
     "pieces_of": "exercises.checks_08:reference_pieces_of",

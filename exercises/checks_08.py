@@ -891,14 +891,14 @@ def _same_world(impl):
 # ============================================================================ the reference, adapted
 
 def reference_pieces_of(layout, rank: int, world: int):
-    """minidist.checkpoint._pieces_of on a minidist.zero._Unit built with this layout."""
-    from minidist.checkpoint import _pieces_of
+    """minidist.zero._Unit.pieces on a _Unit built with this layout (what ZeRO's state_pieces,
+    which minidist.checkpoint saves and loads, is made of)."""
     from minidist.zero import _Unit
     params = [torch.nn.Parameter(torch.zeros(numel)) for _, numel, _ in layout]
     group_of = {p: g for p, (_, _, g) in zip(params, layout)}
     names = {id(p): name for p, (name, _, _) in zip(params, layout)}
     u = _Unit(params, group_of, rank, world)
-    return [(name, start, a, b) for name, _, start, a, b in _pieces_of(u, u.lo, u.hi, names)]
+    return [(names[id(p)], start, a, b) for p, start, a, b in u.pieces(u.lo, u.hi)]
 
 
 def reference_read(pieces: dict, key: str, start: int, n: int):

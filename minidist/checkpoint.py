@@ -57,17 +57,6 @@ class Slot(NamedTuple):
     write: bool = True
 
 
-def _pieces_of(unit, lo: int, hi: int, names: dict):
-    """(name, shape, start within the parameter, a, b): each parameter of a ZeRO unit that
-    overlaps the unit's flat elements [lo, hi), and the overlap [a, b) in flat coordinates."""
-    offset = 0
-    for p in unit.params:
-        a, b = max(lo, offset), min(hi, offset + p.numel())
-        if a < b:
-            yield names[id(p)], tuple(p.shape), a - offset, a, b
-        offset += p.numel()
-
-
 def _writers(tensors: list, world: int) -> list[int]:
     """Which rank saves each replicated tensor: largest first, each to the rank with the
     fewest bytes so far, so that the files come out about the same size."""
@@ -80,36 +69,37 @@ def _writers(tensors: list, world: int) -> list[int]:
 
 def _holders(opt, names: dict, rank: int, world: int):
     """(name, shape, start, holder, cut, write) for each range of a parameter's elements
-    whose optimizer state lives in `holder` (a parameter, or a ZeRO shard view) on this
-    rank: the state's elements `cut` = (a, b) of the holder (None: all of them). A shard
-    view spanning several parameters appears once per parameter. `write`: this rank saves it."""
-    if hasattr(opt, "shard_views"):  # ZeRO 1-3: the inner optimizer sees shard views
-        for view, unit, a0 in opt.shard_views:
-            lo = unit.lo + a0
-            for name, shape, start, a, b in _pieces_of(unit, lo, lo + view.numel(), names):
-                yield name, shape, start, view, (a - lo, b - lo), True
+    whose optimizer state lives in `holder` (a key of opt.state) on this rank: the state's
+    elements `cut` = (a, b) of the holder (None: all of them). `write`: this rank saves it.
+
+    An optimizer that shards its state (ZeRO, Muon) says what this rank holds through
+    opt.state_pieces() -> (state, params), state being (param, start, holder, a, b): the
+    param's flattened elements [start, start + b - a) are the holder's [a, b). Every such
+    piece is this rank's alone, so it writes them all. Any other optimizer is replicated:
+    every rank has all of it, and one rank writes each parameter's state."""
+    if hasattr(opt, "state_pieces"):
+        for p, start, holder, a, b in opt.state_pieces()[0]:
+            yield names[id(p)], tuple(p.shape), start, holder, (a, b), True
         return
-    owners = opt.owners() if hasattr(opt, "owners") else None  # Muon: its owner holds it
     params = [p for g in opt.param_groups for p in g["params"]]
     for p, writer in zip(params, _writers(params, world)):
-        if owners is None:  # replicated: every rank has it, one writes it
-            yield names[id(p)], tuple(p.shape), 0, p, None, writer == rank
-        elif owners[id(p)] == rank:
-            yield names[id(p)], tuple(p.shape), 0, p, None, True
+        yield names[id(p)], tuple(p.shape), 0, p, None, writer == rank
 
 
 def _model_slots(model, optimizers, names, rank, world) -> list[Slot]:
-    """The parameters (sharded under ZeRO-3, else replicated) and persistent buffers."""
+    """The parameters and persistent buffers: a parameter that an optimizer holds only as
+    pieces (ZeRO-3: state_pieces()'s params) is saved piece by piece, by each holder; any
+    other is replicated, and one rank writes it."""
     persistent = set(model.state_dict())
     buffers = [(n, b) for n, b in model.named_buffers() if n in persistent]
     slots = [Slot(f"model/{n}", tuple(b.shape), 0, b.view(-1), w == rank)
              for (n, b), w in zip(buffers, _writers([b for _, b in buffers], world))]
-    fsdp = next((o for o in optimizers if getattr(o, "stage", 0) == 3), None)
-    if fsdp is not None:  # ZeRO-3: the parameters exist only as shards
-        return slots + [Slot(f"model/{name}", shape, start, u.shard[a - u.lo:b - u.lo])
-                        for u in fsdp.units
-                        for name, shape, start, a, b in _pieces_of(u, u.lo, u.hi, names)]
-    params = list({id(p): p for p in model.parameters()}.values())  # a tied one once
+    pieces = [piece for o in optimizers if hasattr(o, "state_pieces") for piece in o.state_pieces()[1]]
+    slots += [Slot(f"model/{names[id(p)]}", tuple(p.shape), start, t) for p, start, t in pieces
+              if t.numel()]  # (an empty piece: sharded, but none of it on this rank)
+    in_pieces = {id(p) for p, _, _ in pieces}
+    params = [p for p in {id(p): p for p in model.parameters()}.values()  # a tied one once
+              if id(p) not in in_pieces]
     return slots + [Slot(f"model/{names[id(p)]}", tuple(p.shape), 0, p.detach().view(-1), w == rank)
                     for p, w in zip(params, _writers(params, world))]
 

@@ -4,10 +4,22 @@ and averages gradients with the others before the optimizer step.
 Chapter 03 (chapters/03_data_parallel.md) builds it up in three steps, all runnable:
 - `allreduce_gradients_naive`: one all-reduce per parameter after backward;
 - `allreduce_gradients_flat`: one all-reduce of one flat buffer after backward;
-- `DDP`: buckets all-reduced asynchronously while backward is still running, with
-  `no_sync()` for gradient accumulation (chapter 04).
+- `DDP`: buckets (`make_buckets`, shared with ZeRO) all-reduced asynchronously while
+  backward is still running, with `no_sync()` for gradient accumulation (chapter 04).
 Exercised by `torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py` (which uses
 DDP by default; `--dp naive|flat` for the others) and by tests/test_ddp.py.
+
+The gradient-sync interface. Whatever averages the gradients, the training loop
+(minidist.train.forward_backward, train_gpt.py) talks to it through three calls, so it
+never asks which one it has:
+
+    with sync.no_sync(): ...              micro-steps whose backward does not communicate
+    sync.finish_gradient_synchronization()   after the last backward: gradients averaged
+    sync.clip_grad_norm_(max_norm)        clip by the norm of the whole averaged gradient
+
+`NaiveDDP` and `FlatDDP` present the first two functions that way (they do their
+all-reduce in finish_gradient_synchronization), `DDP` presents itself, and so do
+minidist.zero's optimizers (stages 1-3), which average the gradients themselves.
 """
 
 from __future__ import annotations
@@ -74,7 +86,64 @@ def allreduce_gradients_flat(module: nn.Module) -> None:
         offset += n
 
 
+def clip_grad_norm_(module: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip by the norm of the whole gradient, as torch.nn.utils.clip_grad_norm_ (every rank
+    holds the same averaged gradients, so every rank computes the same norm)."""
+    return torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
+
+
+class NaiveDDP:
+    """allreduce_gradients_naive behind the gradient-sync interface: backward does not
+    communicate, finish_gradient_synchronization() (once, after the last micro-step's
+    backward) all-reduces one parameter at a time. The caller calls the module itself."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        broadcast_module(module)  # every rank starts from rank 0's weights, as DDP does
+
+    @contextmanager
+    def no_sync(self):
+        yield  # backward never communicates here: gradients accumulate until finish
+
+    def finish_gradient_synchronization(self) -> None:
+        """Average the gradients; call it once per step (a second call would average again)."""
+        allreduce_gradients_naive(self.module)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_(self.module, max_norm)
+
+
+class FlatDDP(NaiveDDP):
+    """allreduce_gradients_flat behind the gradient-sync interface: one all-reduce of one
+    flat buffer in finish_gradient_synchronization()."""
+
+    def finish_gradient_synchronization(self) -> None:
+        allreduce_gradients_flat(self.module)
+
+
 # ---------------------------------------------------------------------------- bucketed
+
+def make_buckets(params: list, bucket_cap_mb: float | None) -> list[list]:
+    """Consecutive runs of `params`, in the order given (DDP and ZeRO pass them in the order
+    backward produces their gradients), of at most `bucket_cap_mb` MiB each: a new bucket
+    starts when the next parameter would take this one over the cap, or when its dtype or
+    device differs. A bucket holds at least one parameter, so `bucket_cap_mb=0` makes one
+    bucket per parameter, and `None` (or inf) one bucket for all of them."""
+    if bucket_cap_mb is not None and not bucket_cap_mb >= 0:
+        raise ValueError(f"bucket_cap_mb must be >= 0 or None, got {bucket_cap_mb}")
+    cap = float("inf") if bucket_cap_mb is None else bucket_cap_mb * 2**20
+    buckets, size = [[]], 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        cur = buckets[-1]
+        if cur and (size + nbytes > cap or (p.dtype, p.device) != (cur[0].dtype, cur[0].device)):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    return buckets
+
+
 
 class _Bucket:
     """Consecutive parameters (in the order their gradients arrive) sharing one flat buffer."""
@@ -122,8 +191,6 @@ class DDP(nn.Module):
     def __init__(self, module: nn.Module, bucket_cap_mb: float | None = 25.0,
                  find_unused_parameters: bool = False, overlap: bool = True):
         super().__init__()
-        if bucket_cap_mb is not None and bucket_cap_mb < 0:
-            raise ValueError(f"bucket_cap_mb must be >= 0 or None, got {bucket_cap_mb}")
         self.module = module
         self.find_unused_parameters, self.overlap = find_unused_parameters, overlap
         self.world = dist.get_world_size()
@@ -131,35 +198,27 @@ class DDP(nn.Module):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("DDP needs at least one parameter with requires_grad=True")
-        self.buckets = self._make_buckets(list(reversed(named)), bucket_cap_mb)
+        name_of = {id(p): n for n, p in named}
+        self.buckets = [_Bucket(b, [name_of[id(p)] for p in b])
+                        for b in make_buckets([p for _, p in reversed(named)], bucket_cap_mb)]
         self._where = {id(p): (b, i) for b, bucket in enumerate(self.buckets)
                        for i, p in enumerate(bucket.params)}
         self._sync, self._sync_backward, self._next, self._callback_queued = True, True, 0, False
         for _, p in named:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
-
-    @staticmethod
-    def _make_buckets(named, cap_mb) -> list[_Bucket]:
-        cap = float("inf") if cap_mb is None else cap_mb * 2**20
-        buckets, cur, size = [], [], 0
-        for n, p in named:
-            nbytes = p.numel() * p.element_size()
-            # a new bucket when this one is full, or the dtype/device changes
-            if cur and (size + nbytes > cap or (p.dtype, p.device) != (cur[0][1].dtype, cur[0][1].device)):
-                buckets.append(cur)
-                cur, size = [], 0
-            cur.append((n, p))
-            size += nbytes
-        buckets.append(cur)
-        return [_Bucket([p for _, p in b], [n for n, _ in b]) for b in buckets]
+        module.register_forward_pre_hook(self._before_forward)
 
     def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _before_forward(self, module, args) -> None:
+        # A hook on the wrapped module, so that calling it through the wrapper or directly
+        # (as minidist.train.forward_backward does) is the same. As in torch's DDP, the
+        # forward decides: a forward run inside no_sync() makes its backward skip
+        # communication, wherever that backward runs.
         if self._callback_queued:  # the last backward was interrupted (an exception)
             self._reset()
-        # as in torch's DDP, the forward decides: a forward run inside no_sync() makes its
-        # backward skip communication, wherever that backward runs
         self._sync_backward = self._sync
-        return self.module(*args, **kwargs)
 
     @contextmanager
     def no_sync(self):
@@ -219,6 +278,10 @@ class DDP(nn.Module):
             for p, view in zip(bucket.params, bucket.views):
                 p.grad = view
         self._reset()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the averaged gradients by their global norm (the same on every rank)."""
+        return clip_grad_norm_(self.module, max_norm)
 
     def _reset(self) -> None:
         for bucket in self.buckets:

@@ -67,7 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dp", default="bucketed", choices=["naive", "flat", "bucketed"],
       help="gradient averaging: one all-reduce per parameter after backward, one of a flat "
            "buffer after backward, or buckets overlapped with backward (minidist.ddp.DDP)")
-    a("--bucket-cap-mb", type=float, default=25.0, help="bucket size for --dp bucketed")
+    a("--bucket-cap-mb", type=float, default=25.0,
+      help="MiB per gradient bucket, the same meaning for --dp bucketed and every --zero-stage: "
+           "0 one bucket per parameter, inf one bucket for everything; at --zero-stage 3 a "
+           "transformer block larger than the cap is cut into units of about that size")
     a("--zero-stage", type=_int_or_auto, default=0, choices=[0, 1, 2, 3, "auto"],
       help="ZeRO: 1 shards AdamW's state over ranks, 2 also the gradients (reduce-scattered "
            "during backward), 3 also the parameters (gathered per block, prefetched); 0 is "
@@ -156,6 +159,8 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
             p.error(f"the planner: {e}")
     if args.grad_accum_steps < 1:
         p.error(f"--grad-accum-steps must be >= 1, got {args.grad_accum_steps}")
+    if not args.bucket_cap_mb >= 0:
+        p.error(f"--bucket-cap-mb must be >= 0 (0: one bucket per parameter), got {args.bucket_cap_mb}")
     parts = world_size * args.grad_accum_steps
     if args.batch_size % parts:
         p.error(f"--batch-size {args.batch_size} does not divide across {world_size} ranks x "

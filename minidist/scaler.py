@@ -18,6 +18,7 @@ underflow returns, so S is raised again after a run of clean steps. bf16 has fp3
 The usage mirrors torch.amp.GradScaler, the oracle the tests compare against:
 
     scaler.scale(loss).backward()   # gradients are S times too large
+    sync.finish_gradient_synchronization()   # averaged across ranks (forward_backward does it)
     scaler.unscale_(opt)            # divide by S, check for inf/NaN (optional: step does it)
     clip_grad_norm_(...)            # clipping must see true gradients
     scaler.step(opt)                # opt.step() unless some gradient was not finite
@@ -101,17 +102,19 @@ class LossScaler:
 
     @torch.no_grad()
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide the optimizer's gradients by S in place and record whether any gradient,
-        on any rank, is inf or NaN. Call once per optimizer step, after the last
-        micro-step's backward: gradients accumulated over micro-steps are checked once."""
+        """Divide the optimizer's gradients (the .grad of its param groups' tensors) by S in
+        place and record whether any gradient, on any rank, is inf or NaN. Call once per
+        optimizer step, after the last micro-step's backward and after the gradient
+        synchronisation has finished (minidist.train.forward_backward returns then): the
+        gradients accumulated over micro-steps, averaged over ranks, are checked once. A
+        ZeRO optimizer's gradients are its shards' (minidist.zero), complete once its
+        finish_gradient_synchronization() has run (by itself at the end of backward; under
+        ZeroRedundancyOptimizer's contract, call it first)."""
         if not self.enabled:
             return
         if id(optimizer) in self._found_inf:
             raise RuntimeError("unscale_() was already called for this optimizer since the last "
                                "update(): call it once per step, after all micro-steps")
-        sync = getattr(optimizer, "finish_gradient_synchronization", None)
-        if sync is not None:  # ZeRO keeps its gradients in shards: have them complete first
-            sync()
         params = [p for g in optimizer.param_groups for p in g["params"]]
         grads = [p.grad for p in params if p.grad is not None]
         if any(g.dtype == torch.float16 for g in grads):

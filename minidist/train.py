@@ -3,7 +3,8 @@ the notebooks, the tests and the benchmarks.
 
 Chapter 04 (chapters/04_grad_accum.md) explains forward_backward (accumulation and the
 token-weighted loss); chapter 01 the schedule and evaluation, chapter 07 make_optimizers
-(Muon beside AdamW). Exercised by
+(Muon beside AdamW), chapter 03 gradient_sync (whatever averages the gradients, behind one
+interface). Exercised by
 `torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py` and
 `pytest tests/test_grad_accum.py`.
 """
@@ -16,7 +17,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from minidist.ddp import DDP
+from minidist.ddp import DDP, FlatDDP, NaiveDDP
 from minidist.muon import Muon, split_params
 from minidist.scaler import LossScaler, autocast
 from minidist.zero import zero_optimizer
@@ -44,7 +45,20 @@ def make_optimizers(model, args) -> list[torch.optim.Optimizer]:
     return opts
 
 
-def forward_backward(model, micro_batches, world_size: int, ddp: DDP | None = None,
+def gradient_sync(model, opts, args):
+    """What averages the gradients across ranks, behind the gradient-sync interface of
+    minidist/ddp.py (no_sync, finish_gradient_synchronization, clip_grad_norm_): under
+    ZeRO the optimizer itself (it reduce-scatters them); otherwise DDP as --dp asks."""
+    if args.zero_stage:
+        return opts[0]
+    if args.dp == "naive":
+        return NaiveDDP(model)
+    if args.dp == "flat":
+        return FlatDDP(model)
+    return DDP(model, bucket_cap_mb=args.bucket_cap_mb)
+
+
+def forward_backward(model, micro_batches, world_size: int, sync=None,
                      scaler: LossScaler | None = None, precision: str = "fp32") -> float:
     """Gradients of one optimizer step over this rank's micro-batches; returns the loss.
 
@@ -52,9 +66,12 @@ def forward_backward(model, micro_batches, world_size: int, ddp: DDP | None = No
     micro-steps, all ranks; targets of -1 are masked and do not count), so every token
     weighs the same however the tokens fall across micro-batches and ranks. Gradient
     averaging divides by world_size, so each rank scales its summed loss by world_size /
-    global_tokens. Under DDP, all micro-steps but the last run in no_sync(): no
-    communication until the gradients are complete. The forward pass runs under autocast
-    at `precision`; with a scaler, the loss is multiplied by its scale before backward.
+    global_tokens. `sync` is what averages the gradients (gradient_sync: DDP, naive or
+    flat, or a ZeRO optimizer; None: nothing does): all micro-steps but the last run in its
+    no_sync(), with no communication until the gradients are complete, and when this
+    returns its finish_gradient_synchronization() has run, so the gradients are averaged.
+    The forward pass runs under autocast at `precision`; with a scaler, the loss is
+    multiplied by its scale before backward.
     """
     # tokens in the global batch: one tiny collective per step (float64: exact counts)
     count = sum((y != -1).sum() for _, y in micro_batches).double().reshape(1)
@@ -63,13 +80,15 @@ def forward_backward(model, micro_batches, world_size: int, ddp: DDP | None = No
         raise ValueError("every target in this global batch is masked (-1): nothing to learn from")
     total = torch.zeros((), dtype=torch.float64, device=count.device)
     for i, (x, y) in enumerate(micro_batches):
-        sync = ddp is None or i == len(micro_batches) - 1
-        with (contextlib.nullcontext() if sync else ddp.no_sync()):
+        last = i == len(micro_batches) - 1
+        with (contextlib.nullcontext() if sync is None or last else sync.no_sync()):
             with autocast(x.device, precision):
                 _, loss_sum = model(x, y, reduction="sum")  # fp32: autocast reduces in fp32
             loss = loss_sum.float() * (world_size / count.item())
             (scaler.scale(loss) if scaler else loss).backward()
         total += loss_sum.detach().double()
+    if sync is not None:  # naive and flat all-reduce now; DDP and ZeRO have (no-op)
+        sync.finish_gradient_synchronization()
     dist.all_reduce(total)  # for the log: the global batch's mean loss per token
     return (total / count).item()
 

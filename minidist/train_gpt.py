@@ -25,13 +25,13 @@ import torch
 import torch.distributed as dist
 
 from minidist import checkpoint, data, faults, metrics
-from minidist.ddp import DDP, allreduce_gradients_flat, allreduce_gradients_naive, broadcast_module
+from minidist.ddp import broadcast_module
 from minidist.dist import cleanup, init
 from minidist.flags import agree_across_ranks, build_parser, make_scaler, resolve_args
 from minidist.model import GPT, PRESETS, GPTConfig, flops_per_token, num_params
 from minidist.muon import check_routing
 from minidist.recompute import set_activation_checkpointing
-from minidist.train import evaluate, forward_backward, lr_at, make_optimizers
+from minidist.train import evaluate, forward_backward, gradient_sync, lr_at, make_optimizers
 
 
 def main(argv=None) -> dict:
@@ -62,9 +62,8 @@ def main(argv=None) -> dict:
     model = GPT(cfg).to(info.device)
     set_activation_checkpointing(model, args.activation_checkpointing == "blocks")  # chapter 09
     broadcast_module(model)  # identical start on every rank, whatever the seeds did
-    ddp = DDP(model, bucket_cap_mb=args.bucket_cap_mb) if args.dp == "bucketed" and not args.zero_stage else None
     opts = make_optimizers(model, args)
-    zero = opts[0] if args.zero_stage else None  # it also plays DDP's part: no_sync, averaging
+    sync = gradient_sync(model, opts, args)  # DDP (--dp), or the ZeRO optimizer: averages gradients
     scaler = make_scaler(args)
     k = args.grad_accum_steps  # loader step s * k + m is micro-step m of optimizer step s
     train = data.TokenLoader(train_glob, args.seq_len, args.batch_size // k, info.rank,
@@ -98,14 +97,11 @@ def main(argv=None) -> dict:
         for g in (g for o in opts for g in o.param_groups):
             g["lr"] = g["peak_lr"] * lr / args.lr  # every group on the same schedule
         micro = [tuple(t.to(info.device) for t in train.batch(step * k + m)) for m in range(k)]
-        loss = forward_backward(ddp or model, micro, info.world_size, ddp or zero, scaler, args.precision)
-        if ddp is None and zero is None:  # DDP and ZeRO have averaged during backward
-            (allreduce_gradients_flat if args.dp == "flat" else allreduce_gradients_naive)(model)
-        for o in opts:
+        loss = forward_backward(model, micro, info.world_size, sync, scaler, args.precision)
+        for o in opts:  # the gradients are averaged now
             scaler.unscale_(o)  # true gradients before clipping (a no-op unless fp16)
-        if args.grad_clip > 0:  # ZeRO: the norm of the whole gradient, from the shards
-            (zero.clip_grad_norm_ if zero else lambda c: torch.nn.utils.clip_grad_norm_(
-                model.parameters(), c))(args.grad_clip)
+        if args.grad_clip > 0:
+            sync.clip_grad_norm_(args.grad_clip)  # the norm of the whole averaged gradient
         for o in opts:
             scaler.step(o)  # skipped if a gradient overflowed on any rank
             o.zero_grad(set_to_none=True)

@@ -159,3 +159,57 @@ def _forward_decides():
 
 def test_the_forward_decides_like_torch_ddp():
     assert launch(_forward_decides, 2) == [(0, 1), (0, 1)]
+
+
+def _train_through_the_interface(kinds, steps=3, clip=0.05):
+    """The loop train_gpt runs, written once for every kind: the forward on the bare model,
+    two micro-steps (the first in no_sync()), finish_gradient_synchronization(), then
+    clip_grad_norm_(). Counts the all-reduces issued during the first micro-step."""
+    from minidist.ddp import FlatDDP, NaiveDDP
+    make = {"naive": NaiveDDP, "flat": FlatDDP, "bucketed": lambda m: DDP(m, bucket_cap_mb=0.004),
+            None: None}
+    r, n = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    out = {}
+    for kind in kinds:
+        torch.manual_seed(0)
+        model = Tied()
+        sync = make[kind](model) if kind else None
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        calls, real = [], dist.all_reduce
+        norms, quiet = [], []
+        for s in range(steps):
+            x, y = _data(s)
+            per = x.shape[0] // n
+            x, y = x[r * per:(r + 1) * per], y[r * per:(r + 1) * per]
+            for i, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2))):
+                if i == 0 and sync is not None:
+                    dist.all_reduce = lambda *a, **kw: (calls.append(1), real(*a, **kw))[1]
+                    with sync.no_sync():
+                        (model(xm, ym) / 2).backward()  # the bare model, even under DDP
+                    dist.all_reduce = real
+                    quiet.append(len(calls))
+                else:
+                    (model(xm, ym) / 2).backward()
+            if sync is not None:
+                sync.finish_gradient_synchronization()
+                norms.append(float(sync.clip_grad_norm_(clip)))
+            else:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out[kind] = ({k: v.clone() for k, v in model.state_dict().items()}, norms, quiet)
+    return out
+
+
+def test_naive_flat_and_bucketed_present_one_interface():
+    """NaiveDDP, FlatDDP and DDP behind no_sync / finish_gradient_synchronization /
+    clip_grad_norm_, driven by one loop, equal one process (clipping included, and active)."""
+    ref_state, ref_norms, _ = _train_through_the_interface([None])[None]
+    assert all(nrm > 0.05 for nrm in ref_norms)  # the clip is active at every step
+    for out in launch(_train_through_the_interface, 2, ["naive", "flat", "bucketed"]):
+        for kind, (state, norms, quiet) in out.items():
+            assert quiet == [0, 0, 0], f"{kind} communicated inside no_sync()"
+            assert norms == pytest.approx(ref_norms, rel=1e-5), kind
+            for k in ref_state:
+                torch.testing.assert_close(state[k], ref_state[k], rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"{kind} {k}: {m}")

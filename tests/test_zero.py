@@ -53,7 +53,7 @@ def _plain(opt_name):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _sharded(opt_name, stage, reduce_gradients, accum, collectives="torch", prefetch=True):
+def _sharded(opt_name, stage, reduce_gradients, accum, collectives="torch", prefetch=True, cap=0.004):
     """Each rank: its slice of every batch, in `accum` micro-steps; ZeRO does the rest."""
     import contextlib
 
@@ -66,12 +66,12 @@ def _sharded(opt_name, stage, reduce_gradients, accum, collectives="torch", pref
     r, n = dist.get_rank(), dist.get_world_size()
     model = _model()
     cls, kw = OPTIMIZERS[opt_name]
-    if stage == 3:
+    if stage == 3:  # cap 0.004 MiB (1048 floats) cuts each block into several units
         opt = FullyShardedOptimizer(model, _groups(model), cls, prefetch=prefetch,
-                                    collectives=collectives, **kw)
+                                    bucket_cap_mb=cap, collectives=collectives, **kw)
     else:
-            opt = ShardedOptimizer(_groups(model), cls, stage=stage, reduce_gradients=reduce_gradients,
-                               bucket_cap_mb=0.004, collectives=collectives, module=model, **kw)
+        opt = ShardedOptimizer(_groups(model), cls, stage=stage, reduce_gradients=reduce_gradients,
+                               bucket_cap_mb=cap, collectives=collectives, module=model, **kw)
     per = B // n
     for step in range(STEPS):
         x, y = _batch(step)
@@ -87,26 +87,65 @@ def _sharded(opt_name, stage, reduce_gradients, accum, collectives="torch", pref
     mem = {**opt.memory_bytes(), "pieces": pieces, "buckets": len(opt.units),
            "unit_elements": [u.flat.numel() for u in opt.units]}
     if stage == 3:
-        mem["root_elements"] = opt.root.flat.numel()
+        mem["root_elements"] = sum(u.flat.numel() for u in opt.root)
+        mem["block_elements"] = [sum(u.flat.numel() for u in block) for block in opt.blocks]
     with opt.gathered() if stage == 3 else contextlib.nullcontext():  # stage 3: read, then free
         return [p.detach().clone() for p in model.parameters()], mem
 
 
 CASES = [("adamw", 1, False, 1), ("adamw", 1, True, 2), ("adamw", 2, True, 1),
          ("sgd", 2, True, 2), ("sgd", 1, True, 1), ("adamw", 3, True, 1), ("sgd", 3, True, 2),
-         ("adamw", 3, True, 2, "torch", False)]  # stage 3 without prefetch
+         ("adamw", 3, True, 2, "torch", False),  # stage 3 without prefetch
+         ("adamw", 3, True, 1, "torch", True, None)]  # stage 3, one unit per block
+
+
+def _layouts():
+    """Which parameters share a unit, for each meaning of bucket_cap_mb, in DDP and at every
+    ZeRO stage (fresh models: each wrapper hooks its own)."""
+    from minidist.ddp import DDP
+    from minidist.zero import zero_optimizer
+    out = {}
+    for cap in (0, 0.004, None):
+        index = lambda m: {id(p): i for i, p in enumerate(m.parameters())}
+        m = _model()
+        out[cap, 0] = [[index(m)[id(p)] for p in b.params] for b in DDP(m, bucket_cap_mb=cap).buckets]
+        for stage in (1, 2, 3):
+            m = _model()
+            opt = zero_optimizer(m, _groups(m), torch.optim.SGD, stage, bucket_cap_mb=cap, lr=0.1)
+            units = [opt.root, *opt.blocks] if stage == 3 else [opt.units]
+            out[cap, stage] = [[sorted(index(m)[id(p)] for p in u.params) for u in us] for us in units]
+    return out
 
 
 def _all_cases():
-    return {c: _sharded(*c) for c in CASES}
+    return {"layouts": _layouts(), **{c: _sharded(*c) for c in CASES}}
+
+
+def _check_bucket_cap_means_the_same_in_ddp_and_every_zero_stage(out):
+    model = _model()
+    trainable = [i for i, p in enumerate(model.parameters()) if p.requires_grad]
+    for cap in (0, 0.004, None):
+        ddp = [sorted(b) for b in out[cap, 0]]
+        assert out[cap, 1] == out[cap, 2] == [ddp]  # stages 1 and 2: DDP's buckets
+        assert sorted(i for b in ddp for i in b) == trainable
+    assert all(len(b) == 1 for b in out[0, 0]) and len(out[None, 0]) == 1
+    assert 1 < len(out[0.004, 0]) < len(trainable)
+    blocks = [sorted(i for u in units for i in u) for units in out[None, 3][1:]]
+    for cap in (0, 0.004):  # stage 3: the cap cuts a block (or the root) into units
+        assert [sorted(i for u in units for i in u) for units in out[cap, 3][1:]] == blocks
+    assert all(len(u) == 1 for units in out[0, 3] for u in units)
+    assert all(len(units) == 1 for units in out[None, 3])  # None: one unit per block, one root
+    assert any(len(units) > 1 for units in out[0.004, 3][1:])
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_every_stage_equals_the_plain_optimizer(world):
     results = launch(_all_cases, world)  # one launch for every case at this world size
     oracle = {name: _plain(name) for name in OPTIMIZERS}
+    _check_bucket_cap_means_the_same_in_ddp_and_every_zero_stage(results[0]["layouts"])
     for case in CASES:
         for rank_result in results:
+            assert rank_result["layouts"] == results[0]["layouts"]  # every rank cuts alike
             params, mem = rank_result[case]
             for a, b in zip(params, oracle[case[0]]):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case}: {m}")
@@ -148,6 +187,8 @@ def _torch_parity():
                 per = B // n
                 x, y = x[r * per:(r + 1) * per], y[r * per:(r + 1) * per]
             scaler.scale(model(x, y)[1]).backward()
+            if name.startswith("ours"):  # the gradients the step will use, before the scaler
+                opt.finish_gradient_synchronization()  # looks (ZeroRedundancyOptimizer's contract)
             scaler.step(opt)  # (a plain opt.step() when disabled)
             scaler.update()
             opt.zero_grad()
@@ -203,12 +244,12 @@ def test_memory_and_bytes_sent_match_the_formulas():
         assert sent["all_gather"] == STEPS * per_step
     for n, mem, sent in (r[3] for r in results):
         padded = sum(mem["unit_elements"])
+        assert padded == mem["root_elements"] + sum(mem["block_elements"])
         assert mem["params"] == 4 * padded // n  # at rest: this rank's shard, nothing gathered
         assert mem["grads"] == 4 * padded // n
         assert mem["optimizer_state"] - 4 * mem["pieces"] <= 8 * padded // n
         # at peak: the root (kept from forward to backward), a block, the next block prefetched
-        biggest_block = max(mem["unit_elements"][1:])
-        assert mem["root_elements"] in mem["unit_elements"]
+        biggest_block = max(mem["block_elements"])
         assert mem["peak_gathered"] <= 4 * (mem["root_elements"] + 2 * biggest_block)
         assert mem["peak_gathered"] >= 4 * (mem["root_elements"] + biggest_block)
         # every unit gathered in forward, every block again in backward, gradients

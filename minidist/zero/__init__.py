@@ -5,9 +5,17 @@
 
 Read in this order:
     layout.py   the flat padded shard layout (a unit: parameters in one buffer, cut N ways)
-    stage12.py  ShardedOptimizer: ZeRO-1 (optimizer state) and ZeRO-2 (also gradients)
-    stage3.py   FullyShardedOptimizer: ZeRO-3 (also parameters, gathered per block)
-and zero_optimizer below, the one entry point for all three stages.
+    base.py     ZeroBase, what every stage shares once it has its units: the inner
+                optimizer on this rank's shards, the reduce-scatters of the gradients, the
+                gradient-sync interface (minidist/ddp.py), clipping, checkpoint pieces
+    stage12.py  ShardedOptimizer: ZeRO-1 (optimizer state) and ZeRO-2 (also gradients);
+                its units are buckets, as DDP's
+    stage3.py   FullyShardedOptimizer: ZeRO-3 (also parameters, gathered per block);
+                its units are the transformer blocks and the root
+and zero_optimizer below, the one entry point for all three stages. Each stage's
+constructor builds its own units, then hands them to ZeroBase. `bucket_cap_mb` means what
+it means for DDP at every stage (minidist.ddp.make_buckets: about that many MiB per unit,
+0 one unit per parameter, None no cap); at stage 3 it cuts a block larger than the cap.
 """
 
 from __future__ import annotations
@@ -29,6 +37,5 @@ def zero_optimizer(model: nn.Module, param_groups, optimizer_class, stage: int, 
         return ShardedOptimizer(param_groups, optimizer_class, stage=stage, reduce_gradients=True,
                                 module=model, **kwargs)
     if stage == 3:
-        kwargs.pop("bucket_cap_mb", None)
         return FullyShardedOptimizer(model, param_groups, optimizer_class, **kwargs)
     raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")

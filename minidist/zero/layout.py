@@ -18,6 +18,31 @@ import math
 import torch
 
 
+def trainable_in_order(params, module=None) -> tuple[list[dict], dict, list]:
+    """(groups, group_of, ordered) for an optimizer's `params` (tensors or param groups):
+    the groups as dicts; each trainable parameter's group index; the trainable parameters,
+    each once, in `module`'s registration order when given (backward produces gradients in
+    roughly the reverse of it), else in the groups' order. Frozen parameters
+    (requires_grad=False) are neither sharded nor updated."""
+    groups = list(params)
+    if not groups:
+        raise ValueError("a ZeRO optimizer got an empty parameter list")
+    if not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    group_of, ordered = {}, []
+    for i, g in enumerate(groups):
+        for p in g["params"]:
+            if p.requires_grad and p not in group_of:
+                group_of[p] = i
+                ordered.append(p)
+    if not ordered:
+        raise ValueError("a ZeRO optimizer got no parameter with requires_grad=True")
+    if module is not None:
+        position = {p: i for i, p in enumerate(module.parameters())}
+        ordered.sort(key=lambda p: position.get(p, -1))
+    return groups, group_of, ordered
+
+
 class _Unit:
     """Some parameters in one flat buffer, padded to a multiple of N, sharded N ways.
     After construction each parameter's .data is a view into the flat buffer."""
@@ -43,6 +68,7 @@ class _Unit:
             offset += n
         self.shard = self.flat[self.lo:self.hi]  # this rank's parameters, a view
         self.grad_shard = torch.zeros_like(self.shard)  # this rank's averaged gradient
+        self.flat_grad = None  # stage 1 only: the full gradients, kept in one flat buffer
         self.ready = 0  # parameters whose gradient is complete in this backward
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -52,6 +78,17 @@ class _Unit:
             out.append(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
         return out
+
+    def pieces(self, lo: int, hi: int):
+        """(param, start, a, b) for each parameter that overlaps the flat elements [lo, hi):
+        the overlap [a, b), in flat coordinates, is the parameter's flattened elements
+        [start, start + b - a)."""
+        offset = 0
+        for p in self.params:
+            a, b = max(lo, offset), min(hi, offset + p.numel())
+            if a < b:
+                yield p, a - offset, a, b
+            offset += p.numel()
 
     def flat_grads(self) -> torch.Tensor:
         """The parameters' local gradients in one padded flat tensor (zeros where none)."""

@@ -6,8 +6,9 @@
 
 Stages 1 and 2 (minidist/zero/stage12.py) still keep every parameter on every rank. Stage 3 keeps
 only this rank's shard of each unit at rest (a unit: one transformer block; the "root"
-unit holds everything outside the blocks: embeddings, final norm, the tied head). A unit's
-full parameters exist only while they are used:
+holds everything outside the blocks: embeddings, final norm, the tied head; bucket_cap_mb,
+as everywhere, cuts a block or the root larger than the cap into several units of about
+that size, gathered together). A block's full parameters exist only while they are used:
 
     forward:  gather unit i (and start gathering unit i+1: prefetch), run it, free it
     backward: when the gradient reaches block i's output, gather it again (and start
@@ -25,6 +26,8 @@ Freeing keeps the tensors: each parameter's .data is a view into its unit's flat
 and freeing resizes that buffer's storage to zero bytes (gathering resizes it back and
 fills it), so the parameters, and the tensors autograd saved for backward, stay the same
 objects throughout. The optimizer sees only the shards, which are separate tensors.
+What the stages share (the inner optimizer on the shards, the reduce-scatters, clipping,
+checkpoint pieces) is in minidist/zero/base.py.
 """
 
 from __future__ import annotations
@@ -32,82 +35,84 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from minidist.zero.layout import _Unit
-from minidist.zero.stage12 import ShardedOptimizer
+from minidist.ddp import make_buckets
+from minidist.zero.base import ZeroBase
+from minidist.zero.layout import _Unit, trainable_in_order
 
 
-class FullyShardedOptimizer(ShardedOptimizer):
+class FullyShardedOptimizer(ZeroBase):
     """ZeRO-3 over `module`: FullyShardedOptimizer(module, params, optimizer_class, **kw).
 
     `params` are the parameters (or param groups) to optimise, as for any optimizer; the
-    units are `module.blocks` (one per element) plus a root unit for the rest. The module
-    is used as it is: hooks on it gather and free parameters around every forward.
-    `prefetch=False` gathers each unit only when it is needed (to measure what prefetch
-    gains). The optimizer API is ShardedOptimizer's: step(), zero_grad(), param_groups,
-    no_sync() (a no-op: every micro-step reduce-scatters), clip_grad_norm_(),
-    memory_bytes()."""
+    blocks are `module.blocks` (one per element), the root the rest; each is one unit, or
+    several of about `bucket_cap_mb` MiB when larger (0: one unit per parameter; None:
+    never cut). The module is used as it is: hooks on it gather and free parameters around
+    every forward. `prefetch=False` gathers each block only when it is needed (to measure
+    what prefetch gains). The optimizer API is ShardedOptimizer's: step(), zero_grad(),
+    param_groups, no_sync() (a no-op: every micro-step reduce-scatters),
+    finish_gradient_synchronization(), clip_grad_norm_(), memory_bytes()."""
 
     def __init__(self, module: nn.Module, params, optimizer_class, group=None, prefetch: bool = True,
-                 collectives: str = "torch", **defaults):
+                 bucket_cap_mb: float | None = 25.0, collectives: str = "torch", **defaults):
         self.module, self.prefetch = module, prefetch
-        self.blocks: list[_Unit] = []
-        self.root: _Unit | None = None
-        self._inflight, self._gathered_bytes, self.peak_gathered_bytes = {}, 0, 0
-        super().__init__(params, optimizer_class, group=group, stage=2, reduce_gradients=True,
-                         collectives=collectives, **defaults)
-        self.stage = 3
-
-    def _make_units(self, ordered, group_of, bucket_cap_mb) -> list[_Unit]:
-        mods = list(getattr(self.module, "blocks", []))
+        self.reduce_gradients = True  # always: it averages the gradients itself, as stage 2
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        groups, group_of, ordered = trainable_in_order(params)
+        make_units = lambda ps: [_Unit(b, group_of, self.rank, self.world)
+                                 for b in (make_buckets(ps, bucket_cap_mb) if ps else [])]
+        mods = list(getattr(module, "blocks", []))
         wanted = set(ordered)
         per_block = [[p for p in m.parameters() if p in wanted] for m in mods]
         in_blocks = {p for ps in per_block for p in ps}
-        rest = [p for p in ordered if p not in in_blocks]
-        self.root = _Unit(rest, group_of, self.rank, self.world) if rest else None
-        self.blocks = [_Unit(ps, group_of, self.rank, self.world) if ps else None for ps in per_block]
-        units = [u for u in [self.root, *self.blocks] if u is not None]
-        for u in units:
-            u.shard = u.flat[u.lo:u.hi].clone()  # the shard lives on; the full buffer does not
+        self.root = make_units([p for p in ordered if p not in in_blocks])
+        self.blocks = [make_units(ps) for ps in per_block]  # a list of units per block
+        units = self.root + [u for block in self.blocks for u in block]
+        for u in units:  # the shard lives on, as its own tensor; the full buffer does not
+            u.shard = u.flat[u.lo:u.hi].clone()
             u.flat.untyped_storage().resize_(0)
-            u.gathered = False
-        self.module.register_forward_pre_hook(self._before_model)
-        self.module.register_forward_hook(self._after_model)
+        super().__init__(units, groups, optimizer_class, defaults, 3, group, collectives)
+        self._gathered, self._inflight = set(), {}  # units gathered; their all-gathers in flight
+        self._gathered_bytes, self.peak_gathered_bytes = 0, 0
+        for p in ordered:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+        module.register_forward_pre_hook(self._before_model)
+        module.register_forward_hook(self._after_model)
         for i, m in enumerate(mods):
             m.register_forward_pre_hook(lambda mod, args, i=i: self._before_block(i))
             m.register_forward_hook(lambda mod, args, out, i=i: self._after_block(i, out))
-        return units
 
     # ---- gathering and freeing ------------------------------------------------------
 
-    def _gather(self, u: _Unit | None, wait: bool = True) -> None:
-        if u is None:
-            return
-        if not u.gathered:
-            u.flat.untyped_storage().resize_(u.flat.numel() * u.flat.element_size())
-            self._inflight[u] = self._all_gather(u.flat, u.shard)  # async with torch's
-            u.gathered = True
-            self._gathered_bytes += u.flat.numel() * u.flat.element_size()
-            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered_bytes)
-        if wait and u in self._inflight:
-            work = self._inflight.pop(u)
+    def _gather(self, units: list[_Unit], wait: bool = True) -> None:
+        for u in units:
+            if u not in self._gathered:
+                u.flat.untyped_storage().resize_(u.flat.numel() * u.flat.element_size())
+                self._inflight[u] = self._all_gather(u.flat, u.shard)  # async with torch's
+                self._gathered.add(u)
+                self._gathered_bytes += u.flat.numel() * u.flat.element_size()
+                self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered_bytes)
+        for u in units if wait else []:
+            work = self._inflight.pop(u, None)
             if work is not None:
                 work.wait()
 
-    def _free(self, u: _Unit | None) -> None:
-        if u is None or not u.gathered:
-            return
-        work = self._inflight.pop(u, None)
-        if work is not None:
-            work.wait()  # never free a buffer a collective is still writing into
-        u.flat.untyped_storage().resize_(0)
-        u.gathered = False
-        self._gathered_bytes -= u.flat.numel() * u.flat.element_size()
+    def _free(self, units: list[_Unit]) -> None:
+        for u in units:
+            if u not in self._gathered:
+                continue
+            work = self._inflight.pop(u, None)
+            if work is not None:
+                work.wait()  # never free a buffer a collective is still writing into
+            u.flat.untyped_storage().resize_(0)
+            self._gathered.discard(u)
+            self._gathered_bytes -= u.flat.numel() * u.flat.element_size()
 
-    def _next(self, i: int, step: int) -> _Unit | None:
+    def _next(self, i: int, step: int) -> list[_Unit]:
         j = i + step
-        return self.blocks[j] if self.prefetch and 0 <= j < len(self.blocks) else None
+        return self.blocks[j] if self.prefetch and 0 <= j < len(self.blocks) else []
 
     # ---- hooks ------------------------------------------------------------------------
 
@@ -117,8 +122,7 @@ class FullyShardedOptimizer(ShardedOptimizer):
 
     def _after_model(self, module, args, out) -> None:
         if not torch.is_grad_enabled():  # no backward will come: free everything now
-            for u in self.units:
-                self._free(u)
+            self._free(self.units)
 
     def _before_block(self, i: int) -> None:
         self._gather(self.blocks[i])
@@ -135,40 +139,48 @@ class FullyShardedOptimizer(ShardedOptimizer):
 
     def _reduce(self, u: _Unit) -> None:
         super()._reduce(u)  # reduce-scatter the gradients, free the full-size ones
-        if u is not self.root:
-            self._free(u)  # all its gradients are in: backward needs its weights no more
+        if u not in self.root:
+            self._free([u])  # all its gradients are in: backward needs its weights no more
 
     def _end_of_backward(self) -> None:
         super()._end_of_backward()
-        for u in self.units:
-            self._free(u)
+        self._free(self.units)
 
     @contextlib.contextmanager
     def gathered(self):
         """Every unit gathered, to read, save or copy the full parameters; freed after."""
-        was = [u.gathered for u in self.units]
-        for u in self.units:
-            self._gather(u)
+        was = set(self._gathered)
+        self._gather(self.units)
         try:
             yield
         finally:
-            for u, keep in zip(self.units, was):
-                if not keep:
-                    self._free(u)
+            self._free([u for u in self.units if u not in was])
 
-    # ---- the step and accounting ---------------------------------------------------
+    # ---- the step, accounting, checkpoint pieces --------------------------------------
 
     def step(self, closure=None):
         """Update the shards; the next forward gathers the updated values."""
         loss = closure() if closure is not None else None
         self.optim.step()
-        for u in self.units:  # a unit still gathered (a forward with no backward) is stale now
-            self._free(u)
+        self._free(self.units)  # a unit still gathered (a forward with no backward) is stale now
         return loss
 
     def memory_bytes(self) -> dict:
-        out = super().memory_bytes()
+        """Tensor bytes this rank holds, by kind; params: the shards plus what is gathered."""
         nbytes = lambda t: t.numel() * t.element_size()
-        out["params"] = sum(nbytes(u.shard) for u in self.units) + self._gathered_bytes
-        out["peak_gathered"] = self.peak_gathered_bytes
-        return out
+        grads = sum(nbytes(u.grad_shard) + sum(nbytes(p.grad) for p in u.params if p.grad is not None)
+                    for u in self.units)
+        return {"params": sum(nbytes(u.shard) for u in self.units) + self._gathered_bytes,
+                "grads": grads, "optimizer_state": self._state_bytes(),
+                "padding_elements": sum(u.flat.numel() - sum(p.numel() for p in u.params)
+                                        for u in self.units),
+                "peak_gathered": self.peak_gathered_bytes}
+
+    def state_pieces(self) -> tuple[list, list]:
+        """As ZeroBase's, and the parameters too: at rest this rank holds them only as its
+        shards, whose views are the optimizer state's holders (same elements, same values).
+        A sharded parameter none of whose elements is here comes with an empty tensor."""
+        state, _ = super().state_pieces()
+        params = [(p, start, holder[lo:hi]) for p, start, holder, lo, hi in state]
+        here = {p for p, _, _ in params}
+        return state, params + [(p, 0, p.new_empty(0)) for p in self._unit_of if p not in here]

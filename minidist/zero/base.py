@@ -1,0 +1,175 @@
+"""What every ZeRO stage shares, once its units exist. Chapter 06 (chapters/06_zero.md).
+Exercised by `pytest tests/test_zero.py`.
+
+Each stage's constructor builds its units (minidist/zero/layout.py: buckets at stages 1-2,
+blocks at stage 3), then hands them to ZeroBase, which builds the rest the same way for
+every stage:
+
+- the inner optimizer, on views of this rank's shards only (one view per param group per
+  unit, whose .grad is the matching slice of the unit's averaged gradient shard);
+- the gradient reduction: a post-accumulate-grad hook counts each unit's completed
+  gradients; a unit is reduce-scattered (averaged over ranks, only this rank's shard
+  kept) during backward as soon as it is complete (stages 2, 3) or when backward ends
+  (stage 1); finish_gradient_synchronization() waits for the reduce-scatters in flight;
+- the rest of the gradient-sync interface the training loop uses (minidist/ddp.py): no_sync()
+  and clip_grad_norm_(), and zero_grad();
+- state_pieces(): what this rank holds, described for minidist.checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from minidist import comm
+from minidist.zero.layout import _Unit
+
+
+class ZeroBase:
+    """The shared part of ShardedOptimizer (stages 1, 2) and FullyShardedOptimizer (stage 3);
+    see the module docstring. A stage's constructor calls ZeroBase.__init__ with its units
+    built, and registers _on_grad on the parameters whose gradients it reduces itself."""
+
+    def __init__(self, units: list[_Unit], groups: list[dict], optimizer_class, defaults: dict,
+                 stage: int, group=None, collectives: str = "torch"):
+        if collectives not in ("torch", "minidist"):
+            raise ValueError(f"collectives must be 'torch' or 'minidist', got {collectives!r}")
+        self.units, self.stage, self.group, self.collectives = units, stage, group, collectives
+        self._unit_of = {p: u for u in units for p in u.params}
+        # the inner optimizer: for param group i, a view of each unit's shard where it meets
+        # group i, with the gradient's matching view as .grad (linked for good: zero_grad
+        # and the reduce-scatters write into the gradient shards in place)
+        shard_groups, self.shard_views = [], []  # (view, its unit, its start in the shard)
+        p0 = units[0].params[0]
+        for i, g in enumerate(groups):
+            views = []
+            for u in units:
+                if i in u.ranges:
+                    a, b = u.ranges[i]
+                    v = u.shard[a:b]
+                    v.grad = u.grad_shard[a:b]
+                    views.append(v)
+                    self.shard_views.append((v, u, a))
+            if not views:  # no element of this group on this rank: a placeholder
+                views = [torch.zeros(0, device=p0.device, dtype=p0.dtype)]
+                views[0].grad = torch.zeros_like(views[0])
+            shard_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": views})
+        self.optim = optimizer_class(shard_groups, **defaults)
+        self._pending = []  # (unit, output or None if reduced in place, work or None)
+        self._no_sync = False  # inside no_sync() at stage 1: backward reduces nothing
+        self._queued = False  # the end-of-backward callback is queued for this backward
+
+    @property
+    def param_groups(self):
+        return self.optim.param_groups
+
+    @property
+    def state(self):
+        return self.optim.state
+
+    # ---- gradients: reduce-scatter each unit, during backward or at its end ------------
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """A no-op at stages 2 and 3: they keep no full gradient to accumulate into, so
+        every micro-step reduce-scatters into the shards (which add up). Stage 1 overrides."""
+        yield
+
+    def _on_grad(self, p) -> None:
+        if self._no_sync:
+            return
+        if not self._queued:  # once per backward: finish the reductions when it ends
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._queued = True
+        u = self._unit_of[p]
+        u.ready += 1
+        if self.stage >= 2 and u.ready == len(u.params):
+            self._reduce(u)
+
+    def _reduce(self, u: _Unit) -> None:
+        """Start averaging u's gradients into a new shard-sized tensor and free the
+        full-size gradients (stages 2 and 3; stage 1 reduces in place instead)."""
+        flat = u.flat_grads()
+        for p in u.params:
+            p.grad = None  # the full-size gradient is no longer needed on this rank
+        out = torch.empty_like(u.grad_shard)
+        self._pending.append((u, out, self._reduce_scatter(out, flat)))
+
+    def _end_of_backward(self) -> None:
+        for u in self.units:  # in the same order on every rank
+            if u.ready < len(u.params) or self.stage == 1:
+                self._reduce(u)  # stage 1; or parameters that got no gradient: still join
+        self.finish_gradient_synchronization()
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for the reduce-scatters in flight and add their results into the gradient
+        shards (summed over micro-steps, averaged over ranks). Runs by itself at the end of
+        backward; calling it again is a no-op."""
+        for u, out, work in self._pending:
+            if work is not None:
+                work.wait()
+            if out is not None:
+                u.grad_shard += out
+        self._pending.clear()
+        for u in self.units:
+            u.ready = 0
+        self._queued = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradient shards in place (the inner optimizer's .grad are views of them)
+        and drop the full-size gradients."""
+        for u in self.units:
+            u.grad_shard.zero_()
+            for p in u.params:
+                p.grad = None if set_to_none else (p.grad.zero_() if p.grad is not None else None)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the global norm of the averaged gradient, as clip_grad_norm_ on the full
+        gradients would: the squares of the shards summed over ranks (padding is zero)."""
+        self.finish_gradient_synchronization()
+        sq = sum(u.grad_shard.double().square().sum() for u in self.units).reshape(1)
+        dist.all_reduce(sq, group=self.group)
+        norm = sq.sqrt().float()[0]
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for u in self.units:
+            u.grad_shard.mul_(scale)
+        return norm
+
+    # ---- what this rank holds ---------------------------------------------------------
+
+    def state_pieces(self) -> tuple[list, list]:
+        """What this rank holds, for minidist.checkpoint: (state, params).
+
+        state: (p, start, holder, lo, hi) for every range of a parameter's elements whose
+        optimizer state this rank keeps: elements [start, start + hi - lo) of flattened p
+        are elements [lo, hi) of `holder`, a key of self.state (a shard view), and of the
+        state's tensors. Every element is kept by exactly one rank.
+        params: (p, start, tensor) where this rank holds a parameter's elements only as a
+        piece (stage 3); empty when every rank holds every parameter whole (stages 1, 2)."""
+        state = []
+        for view, u, a0 in self.shard_views:
+            lo = u.lo + a0
+            for p, start, a, b in u.pieces(lo, lo + view.numel()):
+                state.append((p, start, view, a - lo, b - lo))
+        return state, []
+
+    def _state_bytes(self) -> int:
+        return sum(v.numel() * v.element_size() for s in self.optim.state.values()
+                   for v in s.values() if torch.is_tensor(v))
+
+    # ---- collectives: torch's (asynchronous) or minidist's ring (synchronous, counted) ---
+
+    def _reduce_scatter(self, out, inp):
+        if self.collectives == "minidist":
+            comm.reduce_scatter(out, inp, op="avg")
+            return None
+        return dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+
+    def _all_gather(self, out, inp):
+        if self.collectives == "minidist":
+            comm.all_gather(out, inp.clone())
+            return None
+        return dist.all_gather_single(out, inp, group=self.group, async_op=True)
