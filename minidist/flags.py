@@ -159,8 +159,6 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
             p.error(f"the planner: {e}")
     if args.grad_accum_steps < 1:
         p.error(f"--grad-accum-steps must be >= 1, got {args.grad_accum_steps}")
-    if not args.bucket_cap_mb >= 0:
-        p.error(f"--bucket-cap-mb must be >= 0 (0: one bucket per parameter), got {args.bucket_cap_mb}")
     parts = world_size * args.grad_accum_steps
     if args.batch_size % parts:
         p.error(f"--batch-size {args.batch_size} does not divide across {world_size} ranks x "
