@@ -1,0 +1,129 @@
+"""Graded checks of exercise 09 (exercises/09_memory.py), registered with exercises.grade.
+
+Every check runs in this process, on a small minidist GPT (3 blocks) whose blocks call the
+implementation under test (`block.recompute = impl.checkpoint`). The oracle is the same
+model, same weights, same batch, same seed, run without checkpointing: one forward and
+backward, every parameter's gradient compared bit for bit (fp32 and bf16 alike: the
+recomputation is the same arithmetic on the same inputs, so it gives the same bits).
+The bytes saved for backward are counted from outside (minidist.memory.count_saved_bytes:
+torch.autograd.graph.saved_tensors_hooks, deduplicated by storage, parameters left out)
+and compared with a block's input, B x T x d fp32 numbers. While the implementation
+runs, torch.utils.checkpoint's entry points are replaced by a tripwire: a solution that
+calls it fails every check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+
+from exercises.grade import check
+from minidist.memory import count_saved_bytes
+from minidist.model import GPT, GPTConfig
+
+B, T, D, V = 3, 16, 32, 64
+TRIPPED = "torch.utils.checkpoint is the oracle here, not a building block: write the Function yourself"
+# what torch.utils.checkpoint's public functions call, looked up by name when they run: a
+# solution that imported `checkpoint` before grading still goes through one of these
+ENTRY_POINTS = ("checkpoint", "checkpoint_sequential", "CheckpointFunction",
+                "_checkpoint_without_reentrant_generator")
+
+
+class _Tripped(AssertionError):
+    pass
+
+
+@contextlib.contextmanager
+def _forbid_torch_checkpoint():
+    def tripwire(*args, **kwargs):
+        raise _Tripped(TRIPPED)
+    saved = {n: getattr(torch_checkpoint, n) for n in ENTRY_POINTS if hasattr(torch_checkpoint, n)}
+    for n in saved:
+        setattr(torch_checkpoint, n, tripwire)
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch_checkpoint, n, f)
+
+
+def _model(dropout: float = 0.0) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=3, n_head=2, n_embd=D, block_size=T, vocab_size=V, dropout=dropout))
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+
+
+def _grads(model, fn, precision="fp32"):
+    """Every gradient of one forward and backward, and the next random numbers."""
+    for b in model.blocks:
+        b.recompute = fn
+    model.zero_grad(set_to_none=True)
+    x, y = _batch()
+    torch.manual_seed(2)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        _, loss = model(x, y)
+    loss.backward()
+    grads = {n: p.grad.clone() if p.grad is not None else None for n, p in model.named_parameters()}
+    return grads, torch.rand(4)
+
+
+def _compare(impl, dropout=0.0, precision="fp32", what="") -> None:
+    model = _model(dropout)
+    want, rng_want = _grads(model, None, precision)
+    with _forbid_torch_checkpoint():
+        got, rng_got = _grads(model, impl.checkpoint, precision)
+    for name, g in want.items():
+        if got[name] is None:
+            raise AssertionError(f"{name} got no gradient: return the parameters' gradients from "
+                                 "backward (the parameters must be inputs of the Function's apply)")
+        if not torch.equal(g, got[name]):
+            diff = (g - got[name]).abs().max().item()
+            raise AssertionError(f"{name}'s gradient differs from the run without checkpointing "
+                                 f"by up to {diff:.3g}{what}")
+    if not torch.equal(rng_want, rng_got):
+        raise AssertionError("the random numbers drawn after the step differ from the run without "
+                             "checkpointing: restore the RNG inside torch.random.fork_rng(), which "
+                             "puts the run's own stream back when it ends")
+
+
+@check("09", 2, "gradients equal the run without checkpointing (fp32, exactly)")
+def check_gradients(impl):
+    _compare(impl)
+
+
+@check("09", 2, "memory: each block keeps only its input for backward")
+def check_saved_bytes(impl):
+    model = _model()
+    for b in model.blocks:
+        b.recompute = impl.checkpoint
+    x, y = _batch()
+    with _forbid_torch_checkpoint():
+        saved = count_saved_bytes(model, x, y)["blocks"]
+    want = B * T * D * 4  # the block's input, fp32
+    for i, got in enumerate(saved):
+        if got > want:
+            raise AssertionError(f"block {i} kept {got} bytes for backward, {got / want:.1f} times its "
+                                 f"input ({want} bytes): run fn under torch.no_grad() in forward and "
+                                 "save only x")
+        if got < want:
+            raise AssertionError(f"block {i} kept {got} bytes for backward, less than its input "
+                                 f"({want} bytes): backward needs x to recompute the block")
+    _compare(impl, what=" (the memory check needs right gradients too)")
+
+
+@check("09", 2, "dropout: the recomputed forward draws the same random numbers")
+def check_dropout(impl):
+    _compare(impl, dropout=0.2, what=" with dropout on: save the RNG state in forward and set it "
+             "back before recomputing")
+
+
+@check("09", 2, "autocast: recomputed at the forward's precision (bf16)")
+def check_autocast(impl):
+    _compare(impl, precision="bf16", what=" under bf16 autocast: record the autocast state in "
+             "forward and re-enter it to recompute")
