@@ -135,6 +135,8 @@ class Reader:
             except Exception as e:  # a truncated or overwritten file: name it
                 raise CheckpointError(f"{f}: unreadable ({type(e).__name__}: {e})") from None
             sums = shard.get("checksums")
+            if sums is None and self.meta.get("format", 1) >= 2:
+                raise CheckpointError(f"{f}: no checksums, in a checkpoint whose format has them")
             for i, (key, shape, start, t) in enumerate(shard["pieces"]):
                 self.pieces.setdefault(key, []).append((start, t))
                 self.shapes[key] = tuple(shape)
@@ -211,7 +213,7 @@ def main(argv=None) -> None:
         else:
             r = Reader(p)
             intact.append(r)
-            sums = "checksums verified" if r._sums or r.meta.get("format", 1) >= 2 else "format 1: no checksums"
+            sums = "checksums verified" if r.meta.get("format", 1) >= 2 else "format 1: no checksums"
             print(f"{p}: intact ({sums}), step {r.meta['step']}, saved by {r.meta['world_size']} rank(s)")
     if intact:
         r = intact[-1]
