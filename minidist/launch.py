@@ -10,15 +10,17 @@ it starts `world_size` processes, gives each the environment torchrun would, set
 process group, runs `fn(*args)` there and hands back the return values, or re-raises the
 first failure with its rank.
 
-`Pool(world_size)` keeps such a group of processes alive across many calls: each
-`pool.run(fn, *args)` pays for no process start, no torch import and no rendezvous, which
-is most of a small launch's time. The test suite uses it where cases can share processes
-(tests/conftest.py); a failed call stops the pool, and the next call starts a fresh one.
+`Pool(world_size)` keeps such processes alive across calls: `pool.run(fn, *args)` pays for
+no process start and no torch import, most of a small launch's time. The test suite and
+the exercise grader use it (`shared_pool`).
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
+import pickle
 import queue
 import time
 import traceback
@@ -62,62 +64,67 @@ def _child(rank, world_size, port, backend, device_type, timeout_s, payload, res
         _set_threads(device_type, world_size)
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
                               timeout=timedelta(seconds=timeout_s))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        if tasks is None:
+            _join(backend, store, rank, world_size, timeout_s)
     except BaseException as e:  # noqa: BLE001 - a failed start is reported like a failed call
-        _report(rank, results, e)
+        results.put((rank, "error", _failure(e)))
         return
     if tasks is None:
         _run_one(rank, payload, results)
     else:
         fresh, calls = _state(), 0
-        while (payload := tasks.get()) is not None:
-            _restore(fresh)  # each call starts from the state of a fresh process
+        while (task := tasks.get()) is not None:
+            payload, call_timeout_s = task
+            _restore(*fresh)  # each call starts from the state of a fresh process
             calls += 1
-            rejoin = None
-            if not dist.is_initialized():  # the last call left the group (train_gpt does)
-                rejoin = lambda: dist.init_process_group(  # noqa: E731
-                    backend, store=dist.PrefixStore(f"call_{calls}", store), rank=rank,
-                    world_size=world_size, timeout=timedelta(seconds=timeout_s))
-            _run_one(rank, payload, results, rejoin)
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
+            _run_one(rank, payload, results, lambda: _join(
+                backend, dist.PrefixStore(f"call_{calls}", store), rank, world_size, call_timeout_s))
 
 
-def _run_one(rank, payload, results, rejoin=None):
-    import pickle
+def _join(backend, store, rank, world_size, timeout_s):
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def _run_one(rank, payload, results, join=None):
     try:
-        if rejoin is not None:
-            rejoin()
+        if join is not None:
+            join()
         fn, args = pickle.loads(payload)
-        out = fn(*args)
-        results.put((rank, "ok", _dumps(out)))
+        outcome = ("ok", _dumps(fn(*args)))
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
-        _report(rank, results, e)
+        # reported before this rank leaves the group: its peers' errors ("connection
+        # closed") are consequences and must not arrive first
+        results.put((rank, "error", _failure(e)))
+        outcome = None
+    if dist.is_initialized():
+        # A Pool's call gets its own group (milliseconds, where a process start takes
+        # seconds): a message it left unreceived dies with it. Every rank leaves before it
+        # reports success, so none is still in this group when the next call forms one.
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    if outcome is not None:
+        results.put((rank, *outcome))
 
 
-def _report(rank, results, e):
+def _failure(e: BaseException) -> tuple:
+    """(the pickled exception or None, its traceback, its text); called in `except`."""
     tb = traceback.format_exc()
     try:
         blob = _dumps(e)
     except Exception:  # an exception that will not pickle still reports its text
         blob = None
-    results.put((rank, "error", (blob, tb, f"{type(e).__name__}: {e}")))
+    return blob, tb, f"{type(e).__name__}: {e}"
 
 
 def _state():
-    # What a call could change and the next one would inherit, were it not put back: the
-    # torch RNG (so no call's draws depend on which calls ran before it), the environment
-    # (MINIDIST_FAULT and the like), the thread count, the default dtype
+    # What a Pool's call could change and the next inherit, were it not put back: the RNG
+    # (no call's draws depend on the calls before it), the environment (MINIDIST_FAULT...)
     return (torch.get_rng_state(), dict(os.environ), torch.get_num_threads(),
             torch.get_default_dtype())
 
 
-def _restore(state):
-    rng, env, threads, dtype = state
+def _restore(rng, env, threads, dtype):
     torch.set_rng_state(rng)
     os.environ.clear()
     os.environ.update(env)
@@ -126,7 +133,6 @@ def _restore(state):
 
 
 def _reraise(rank: int, world_size: int, info):
-    import pickle
     blob, tb, text = info
     exc = pickle.loads(blob) if blob is not None else None
     where = f"rank {rank} of {world_size}"
@@ -186,7 +192,6 @@ def _collect(procs, results, grace_s, deadline_s):
                     failed_at = time.monotonic()
             continue
         if status == "ok":
-            import pickle
             outputs[rank] = pickle.loads(blob)
         elif failure is None or failure[1] == "died":
             failure, failed_at = (rank, status, blob), time.monotonic()
@@ -257,13 +262,11 @@ class Pool:
     short multi-process runs in a row (a test suite): `run(fn, *args)` is launch without
     the process start. Use it as a context manager, or call close().
 
-    Calls run one after another on every rank. Each starts from the torch RNG state,
-    environment, thread count and default dtype the processes had when they started, so
-    a call sees what it would see in a fresh launch; other changes to global state (a
-    module patched by the call) stay, so give such functions their own launch. A failed
-    call (an exception, a dead rank, a timeout, a deadline) is re-raised as launch would,
-    and stops every process: whatever it left in flight dies with them, and the next call
-    starts a fresh group.
+    Calls run one after another on every rank, each in a new process group and from the
+    torch RNG state, environment, thread count and default dtype of a fresh process;
+    other global state a call changes (a module it patched) stays: give such functions
+    their own launch. A failed call (an exception, a dead rank, a timeout, a deadline) is
+    re-raised as launch would, and stops every process: the next call starts fresh ones.
     """
 
     def __init__(self, world_size: int, backend: str | None = None, device: str | None = None,
@@ -274,40 +277,52 @@ class Pool:
         self._group = None  # (store, processes, results, task queues), started on first use
         self.starts = 0     # how many groups it has started: 1 unless calls failed
 
-    def run(self, fn, *args, deadline_s: float | None = None) -> list:
-        """fn(*args) on every rank of the pool; the list of return values, by rank."""
+    def run(self, fn, *args, timeout_s: float | None = None, deadline_s: float | None = None) -> list:
+        """fn(*args) on every rank of the pool; the list of return values, by rank.
+        `timeout_s` (the pool's by default) and `deadline_s` are launch's."""
         if self._group is None:
             self._group = _start(self.world_size, self.backend, self.device_type,
                                  self.timeout_s, None, pooled=True)
             self.starts += 1
         _, procs, results, tasks = self._group
-        payload = _dumps((fn, args))
+        task = (_dumps((fn, args)), self.timeout_s if timeout_s is None else timeout_s)
         for q in tasks:
-            q.put(payload)
+            q.put(task)
+        failure = "interrupted"  # (Ctrl-C) until _collect returns: the ranks' state is unknown
         try:
             outputs, failure = _collect(procs, results, self.grace_s, deadline_s)
-        except BaseException:  # interrupted (Ctrl-C): the ranks' state is unknown
-            self.close(wait_s=0)
-            raise
+        finally:
+            if failure is not None:
+                self.close(wait_s=0)
         if failure is not None:
-            self.close(wait_s=0)
             _raise(failure, self.world_size)
         return [outputs[r] for r in range(self.world_size)]
 
     def close(self, wait_s: float = 10.0) -> None:
         """Stop the processes (a later run starts new ones)."""
-        if self._group is None:
-            return
-        _, procs, results, tasks = self._group
-        self._group = None
-        if wait_s:
+        if self._group is not None:
+            _, procs, results, tasks = self._group
+            self._group = None
             for p, q in zip(procs, tasks):
-                if p.is_alive():
-                    q.put(None)
-        _stop(procs, results, wait_s)
+                if wait_s and p.is_alive():
+                    q.put(None)  # finish: leave the group and exit
+            _stop(procs, results, wait_s)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+_SHARED: dict = {}  # world size -> Pool
+atexit.register(lambda: [p.close() for p in _SHARED.values()])
+
+
+def shared_pool(world_size: int) -> Pool:
+    """The Pool of `world_size` ranks that this Python process shares (started on first
+    use, stopped at exit): the test suite and the exercise grader take theirs here, so
+    each pays for one process start per world size, not one per test or per grading."""
+    if world_size not in _SHARED:
+        _SHARED[world_size] = Pool(world_size, timeout_s=float(os.environ.get("MINIDIST_TIMEOUT", 120)))
+    return _SHARED[world_size]
