@@ -1,9 +1,12 @@
-"""Run graded parts of an exercise in processes started by minidist.launch.launch.
+"""Run graded parts of an exercise in processes of minidist.launch's shared pools.
 
-Multi-process checks (exercises 03, 04) share this: starting processes is the slow part
-(seconds per launch on a small CPU), so one launch per world size runs every "part" (a
+Multi-process checks (exercises 03 to 08) share this: starting processes is the slow part
+(seconds per launch on a small CPU), so one call per world size runs every "part" (a
 function `part(fns, rank, world_size) -> picklable result`, one per thing to measure)
-and the checks read their results from a cache, computed once per implementation.
+and the checks read their results from a cache, computed once per implementation. The
+calls go to `minidist.launch.shared_pool`: processes started for one grading serve the
+next (the next exercise, or the next implementation a test grades), each call in a new
+process group; a call that fails stops them, and the next call starts fresh ones.
 
 A part that hangs or crashes may leave messages in flight that would corrupt whatever
 runs after it, so its launch stops there: after a crash a fresh launch runs the parts
@@ -26,7 +29,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from minidist.launch import LaunchError, launch
+from minidist.launch import LaunchError, shared_pool
 
 
 class PartFailed(RuntimeError):
@@ -119,8 +122,9 @@ def run_all(parts: dict, fns: dict, world_sizes, timeout_s: float, hang_hint: st
             while todo:
                 progress = os.path.join(tmp, f"{n}-{len(todo)}.pkl")  # one file per launch
                 try:
-                    done, why = launch(_worker, n, fns, [(p, parts[p]) for p in todo], timeout_s,
-                                       hang_hint, progress, timeout_s=timeout_s)[0], None
+                    done, why = shared_pool(n).run(_worker, fns, [(p, parts[p]) for p in todo],
+                                                   timeout_s, hang_hint, progress,
+                                                   timeout_s=timeout_s)[0], None
                 except Exception as e:
                     done, why = _load(progress), explain(e, timeout_s, hang_hint)
                 for name, outcomes in done.items():

@@ -1,7 +1,8 @@
 """Graded checks of exercise 02 (exercises/02_collectives.py), registered with exercises.grade.
 
-The functions under test run where they must: in 2, 3 and 4 processes started by
-minidist.launch.launch, with a gloo process group. The oracle is torch.distributed's own
+The functions under test run where they must: in 2, 3 and 4 processes of
+minidist.launch.shared_pool (launch's processes, kept for the next grading), with a gloo
+process group. The oracle is torch.distributed's own
 all_reduce and all_gather on the same data; only the grader calls them.
 
 Starting processes is the slow part (seconds per launch on a small CPU), so one launch
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from exercises._harness import per_world_size
 from exercises.grade import check
 from minidist import comm
-from minidist.launch import LaunchError, launch
+from minidist.launch import LaunchError, shared_pool
 
 WORLD_SIZES = (2, 3, 4)
 # A part still running after TIMEOUT_S hangs (a deadlock, an endless loop): the rank is
@@ -375,8 +376,8 @@ def _run_all(fns: dict) -> dict:
                 try:
                     # the functions travel to the ranks as arguments: cloudpickle sends
                     # module-level functions by name (exercises is a package), lambdas by value
-                    done, why = launch(_worker, n, fns, todo, TIMEOUT_S, progress,
-                                       timeout_s=LAUNCH_TIMEOUT_S)[0], None
+                    done, why = shared_pool(n).run(_worker, fns, todo, TIMEOUT_S, progress,
+                                                   timeout_s=LAUNCH_TIMEOUT_S)[0], None
                 except Exception as e:
                     done, why = _load(progress), _explain(e, TIMEOUT_S)
                 for part, outcomes in done.items():

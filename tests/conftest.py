@@ -1,5 +1,6 @@
-"""Shared test setup: a private data cache, so tests never touch ~/.cache/minidist, and
-helpers to run commands the way a user would."""
+"""Shared test setup: a private data cache, so tests never touch ~/.cache/minidist,
+helpers to run commands the way a user would, and `pool`: process groups that many tests
+share (tests/helpers.py holds the tiny model, batches and oracles)."""
 
 import os
 import subprocess
@@ -24,3 +25,14 @@ def run(cmd, timeout=300, env=None, **kw):
 @pytest.fixture
 def python():
     return sys.executable
+
+
+@pytest.fixture(scope="session")
+def pool():
+    """pool(n): the minidist.launch.Pool of n ranks this test session shares (the exercise
+    grader takes its processes from the same place). `pool(2).run(fn, *args)` is
+    `launch(fn, 2, *args)` without the process start: each call gets a new process group
+    and a fresh process's RNG, environment and threads; a failed call restarts the pool.
+    Functions that patch modules in the ranks, or kill them on purpose, keep launch."""
+    from minidist.launch import shared_pool
+    return shared_pool
