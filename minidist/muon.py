@@ -34,7 +34,8 @@ import torch.nn as nn
 
 from minidist.newton_schulz import NS_COEFFICIENTS, newton_schulz, newton_schulz_many, schedule
 
-__all__ = ["NS_COEFFICIENTS", "newton_schulz", "adjust_lr", "Muon", "split_params", "check_routing"]
+__all__ = ["NS_COEFFICIENTS", "newton_schulz", "adjust_lr", "Muon", "hidden_matrices", "split_params",
+           "check_routing"]
 
 
 def adjust_lr(lr: float, shape, how: str | None = None) -> float:
