@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from minidist import comm
-from minidist.launch import launch
+from minidist.launch import launch, shared_pool
 
 SIZES = (1, 2, 7, 1000, 4099)  # 1 element, fewer than ranks, odd, divisible, prime
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -109,14 +109,15 @@ def _byte_counts(size):
 
 
 def _everything():
-    """One launch per world size serves every test below that needs that world."""
+    """One call per world size, in the session's shared pool of processes (tests/conftest.py),
+    serves every test below that needs that world."""
     return {"equal": _all_collectives(), "bytes": _byte_counts(1200), "uneven_bytes": _byte_counts(1001),
             "bad_args": _bad_args() if dist.get_world_size() == 2 else None}
 
 
 @functools.lru_cache(maxsize=None)
 def _results(world):
-    return launch(_everything, world)
+    return shared_pool(world).run(_everything)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
