@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from minidist import checkpoint, data, faults
-from minidist.model import PRESETS
+from minidist.model import PRESETS, GPTConfig
 from minidist.plan import PlanError, resolve_auto
 from minidist.scaler import LossScaler
 
@@ -139,6 +139,10 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
     for k in ("n_layer", "n_head", "n_embd"):  # resolved: `--n-layer 4` on tiny is tiny
         if getattr(args, k) is None:
             setattr(args, k, PRESETS[args.preset][k])
+    try:  # the model's own checks, here rather than inside every rank after start-up
+        GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.seq_len)
+    except (ValueError, ZeroDivisionError) as e:  # (n_head 0: the divisibility check divides)
+        p.error(f"--n-layer/--n-head/--n-embd: {e}")
     for k in ("batch_size", "steps", "seq_len", "eval_interval", "log_interval", "eval_windows",
               "final_eval_windows"):
         if getattr(args, k) is not None and getattr(args, k) < 1:

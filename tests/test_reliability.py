@@ -164,6 +164,7 @@ def _resolve(tmp_path, *argv, world=2):
     (["--weight-decay", "-0.1"], None, "--weight-decay must be a finite number >= 0"),
     (["--grad-clip", "inf"], None, "--grad-clip must be a finite number"),
     (["--seq-len", "512"], None, "--seq-len 512 is longer than the tiny preset's context (128"),
+    (["--n-head", "3"], None, "--n-layer/--n-head/--n-embd: n_embd=128 must be divisible by n_head=3"),
     (["--dp", "flat", "--zero-stage", "1"], None, "--dp flat with --zero-stage 1"),
     (["--dp", "naive", "--zero-stage", "3"], None, "--dp naive with --zero-stage 3"),
     ([], "kill:step:x", "MINIDIST_FAULT='kill:step:x' is not kill:step|save:STEP:RANK"),
