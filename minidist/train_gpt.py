@@ -159,7 +159,7 @@ def main(argv=None) -> dict:
             f"trained {train_s:.0f}s\n--- sample ---\n{sample}\n--- "
             f"metrics.jsonl, loss.png, summary.json in {out}/")
     cleanup()
-    return {**summary, "rows": rows}
+    return {**summary, "rows": list(rows)}  # plain rows: the file behind them is closed
 
 
 if __name__ == "__main__":
