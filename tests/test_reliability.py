@@ -291,4 +291,5 @@ def test_in_one_group_differing_flags_diverging_loss_fallback_and_timeout(tmp_pa
     assert rows[-1]["loss"] is None and rows[-2]["loss"] is None  # two non-finite, as null
     resumed = (tmp_path / "resume" / "metrics.jsonl").read_text().splitlines()
     assert len(resumed) == r0["rows"]  # restored rows, then the new ones: one run's file
+    assert _strict((tmp_path / "resume" / "summary.json").read_text())["val_loss"] > 0
     assert "within 2 s" in r0["timeout"] and "rank 1 did not reach" in r0["timeout"]
