@@ -28,13 +28,16 @@ planner finds that one per family and takes the cheapest of the families
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
 
 from minidist.cost_model import MODELS
 from minidist.memory import GB, step_memory
-from minidist.model import PRESETS, GPTConfig, config_num_params
+from minidist.model import GPT, PRESETS, GPTConfig, config_num_params, flops_per_token
+from minidist.recompute import set_activation_checkpointing
 
 CPU_BUDGET_GB = 4.0  # per rank on a CPU, where nothing tells us what a process may use
 GPU_MARGIN = 0.10    # of a GPU's memory left out: CUDA context, allocator cache, NCCL buffers
@@ -147,6 +150,36 @@ def resolve_auto(args, world: int, vocab_size: int) -> str | None:
     return line
 
 
+# ------------------------------------------------------------------ recomputation's price
+
+def recompute_flops_fraction(cfg: GPTConfig, seq_len: int) -> float:
+    """The blocks' forward FLOPs over a step's (6 N + 12 L T d per token, chapter 01): what
+    recomputation adds. The head and the loss are not recomputed."""
+    d, L = cfg.n_embd, cfg.n_layer
+    return (24 * L * d * d + 4 * L * seq_len * d) / flops_per_token(cfg, seq_len)
+
+
+def measure_recompute(cfg: GPTConfig, micro_batch: int, seq_len: int, repeats: int = 7) -> tuple[float, float]:
+    """Seconds of forward + backward without and with recomputation on this machine's CPU
+    (or GPU), the median of `repeats` interleaved pairs (interleaved: a busy machine slows
+    both alike)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = GPT(cfg).to(device)
+    idx = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), device=device)
+
+    def step(on: bool) -> float:
+        set_activation_checkpointing(model, on)
+        torch.cuda.synchronize() if device.type == "cuda" else None
+        t = time.perf_counter()
+        model(idx, idx)[1].backward()
+        torch.cuda.synchronize() if device.type == "cuda" else None
+        return time.perf_counter() - t
+
+    step(False), step(True)  # warm up both paths
+    pairs = [(step(False), step(True)) for _ in range(repeats)]
+    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+
+
 # ------------------------------------------------------------------ the table
 
 def _config(name: str) -> GPTConfig:
@@ -174,8 +207,20 @@ def main(argv=None) -> None:
     p.add_argument("--batch-size", type=int, default=None, help="global, in sequences (default 8 per rank)")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--measure-recompute", type=int, metavar="B",
+                   help="time a step of B sequences with and without recomputation here, and stop")
+    p.add_argument("--vocab-size", type=int, help="default: the preset's (GPT-2's 50257)")
     a = p.parse_args(argv)
     cfg = _config(a.preset)
+    if a.vocab_size:
+        cfg = GPTConfig(**{**cfg.to_dict(), "vocab_size": a.vocab_size})
+    if a.measure_recompute:
+        cfg = GPTConfig(**{**cfg.to_dict(), "block_size": max(cfg.block_size, a.seq_len)})
+        plain, ckpt = measure_recompute(cfg, a.measure_recompute, a.seq_len)
+        print(f"{a.preset}, {a.measure_recompute} x {a.seq_len}: forward + backward {plain * 1e3:.0f} ms, with "
+              f"recomputation {ckpt * 1e3:.0f} ms: +{100 * (ckpt / plain - 1):.0f}% "
+              f"(the blocks' forward FLOPs: +{100 * recompute_flops_fraction(cfg, a.seq_len):.0f}%)")
+        return
     batch = a.batch_size or 8 * a.world_size
     print(f"{a.preset}: {config_num_params(cfg) / 1e6:.0f}M parameters, {a.world_size} ranks, batch "
           f"{batch} x {a.seq_len}, {a.precision}, budget {a.budget_gb:g} GB per rank")
