@@ -1,13 +1,15 @@
 """train_gpt: data parallelism equals one process, the torchrun path end to end, and bad
-input rejected before any process group work."""
+input rejected before any process group work. The multi-rank runs share the session's
+process pools (tests/conftest.py); torchrun runs only where torchrun itself is the point."""
 
 import json
 import sys
 
 import pytest
 
+import torch.distributed as dist
+
 from minidist import train_gpt
-from minidist.launch import launch
 from conftest import run
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seq-len", "32",
@@ -25,17 +27,17 @@ _REFERENCE = {}
 @pytest.mark.parametrize("dp, world, accum", [("naive", 2, 1), ("flat", 2, 2), ("bucketed", 2, 1),
                                               ("bucketed", 4, 2), ("zero-1", 2, 2), ("zero-2", 2, 1),
                                               ("zero-3", 2, 2)])
-def test_data_parallel_equals_one_process(tmp_path, dp, world, accum):
+def test_data_parallel_equals_one_process(tmp_path, dp, world, accum, pool):
     """`world` ranks x `accum` micro-steps, each micro-batch batch/(world*accum) sequences:
     averaged gradients must give the trajectory of one process on the whole batch
     (fp32: equal up to summation order)."""
     argv = TINY + ["--steps", "6", "--batch-size", "8", "--eval-interval", "100"]
     if "one" not in _REFERENCE:  # the oracle does not depend on the case: compute it once
-        _REFERENCE["one"] = launch(_train, 1, argv + ["--dp", "flat", "--out-dir", str(tmp_path / "one")])[0]
+        _REFERENCE["one"] = pool(1).run(_train, argv + ["--dp", "flat", "--out-dir", str(tmp_path / "one")])[0]
     one = _REFERENCE["one"]
     how = ["--zero-stage", dp[-1]] if dp.startswith("zero") else ["--dp", dp]
-    many = launch(_train, world, argv + how + ["--grad-accum-steps", str(accum),
-                                               "--out-dir", str(tmp_path / "many")])
+    many = pool(world).run(_train, argv + how + ["--grad-accum-steps", str(accum),
+                                                 "--out-dir", str(tmp_path / "many")])
     losses = lambda s: [r["loss"] for r in s["rows"] if "loss" in r]
     assert len(losses(one)) == 6
     for s in many:
@@ -62,7 +64,7 @@ def test_torchrun_end_to_end(tmp_path):
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.parametrize("extra, message", [
+BAD_FLAGS = [
     (["--batch-size", "3"], "does not divide across 2 ranks"),
     (["--batch-size", "4", "--grad-accum-steps", "4"], "use a multiple of 8"),
     (["--dp", "bogus"], "invalid choice: 'bogus'"),
@@ -71,12 +73,28 @@ def test_torchrun_end_to_end(tmp_path):
     (["--warmup-steps", "50", "--steps", "10"], "--warmup-steps must be in"),
     (["--data", "/nonexistent/*.bin", "--val-data", "/nonexistent/*.bin"], "no token shards"),
     (["--resume", "/nonexistent/step_00000010"], "not a complete minidist checkpoint"),
-])
-def test_bad_flags_fail_fast_under_torchrun(extra, message):
+]
+
+
+@pytest.mark.parametrize("extra, message", BAD_FLAGS)
+def test_bad_flags_fail_before_any_process_group_work(extra, message, monkeypatch, capsys):
+    # what a rank of 2 under torchrun sees, minus the rendezvous: main must exit before
+    # init() (no group exists after it), with the message
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as e:
+        train_gpt.main(TINY + ["--steps", "10", "--batch-size", "4", *extra])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not dist.is_initialized()
+
+
+def test_bad_flags_fail_fast_under_torchrun():
+    # the same path under torchrun itself, for a check that depends on its world size:
+    # every rank exits with the message, none waits for the others
+    extra, message = BAD_FLAGS[0]
     r = run(["torchrun", "--standalone", "--nproc_per_node=2", "minidist/train_gpt.py",
              *TINY, "--steps", "10", "--batch-size", "4", *extra], timeout=120)
     assert r.returncode != 0
-    assert message in r.stderr
+    assert r.stderr.count(message) == 2, r.stderr
 
 
 def test_corrupt_shard_is_named(tmp_path):
