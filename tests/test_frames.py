@@ -112,10 +112,17 @@ def test_named_commands_exist(doc):
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs_top_to_bottom(nb):
+def test_notebook_runs_top_to_bottom(nb, monkeypatch):
     import nbformat
     from nbclient import NotebookClient
     book = nbformat.read(nb, as_version=4)
+    # One cell, tagged "parameters" as papermill has it, holds the sizes; the tests run
+    # the quick size it defines (the kernel inherits the environment), a reader's run
+    # keeps the size it picks
+    params = [c for c in book.cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(params) == 1 and "quick" in params[0].source.lower(), "one parameters cell with a quick size"
+    monkeypatch.setenv("MINIDIST_NB_SIZE", "quick")
+    monkeypatch.setenv("MINIDIST_QUICK", "1")
     NotebookClient(book, timeout=600, kernel_name="python3",
                    resources={"metadata": {"path": str(nb.parent)}}).execute()
 
