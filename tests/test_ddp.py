@@ -1,5 +1,6 @@
 """minidist.ddp.DDP against its oracles: one process on the full batch, and torch's own
-DistributedDataParallel, on a model with a tied weight and a frozen parameter."""
+DistributedDataParallel, on a model with a tied weight and a frozen parameter. The ranks
+come from the session's process pools (tests/conftest.py)."""
 
 import pytest
 import torch
@@ -7,7 +8,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minidist.ddp import DDP
-from minidist.launch import launch
 
 
 class Tied(nn.Module):
@@ -71,17 +71,17 @@ def _ddp(opt_name, cap, torch_ddp=False):
 # of 8000 bytes: 4544 + 7296); five (4194 bytes); one per parameter (0).
 @pytest.mark.parametrize("cap, buckets", [(None, 1), (8000 / 2**20, 2), (0.004, 5), (0, 7)])
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
-def test_ddp_equals_one_process(opt_name, cap, buckets):
+def test_ddp_equals_one_process(opt_name, cap, buckets, pool):
     ref = _one_process(opt_name)
-    for state, n_buckets in launch(_ddp, 2, opt_name, cap):
+    for state, n_buckets in pool(2).run(_ddp, opt_name, cap):
         assert n_buckets == buckets
         for k in ref:
             torch.testing.assert_close(state[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
-def test_ddp_equals_torch_ddp_on_four_ranks():
-    ours = launch(_ddp, 4, "adamw", 0.004)
-    theirs = launch(_ddp, 4, "adamw", None, True)
+def test_ddp_equals_torch_ddp_on_four_ranks(pool):
+    ours = pool(4).run(_ddp, "adamw", 0.004)
+    theirs = pool(4).run(_ddp, "adamw", None, True)
     for (a, _), (b, _) in zip(ours, theirs):
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
@@ -97,8 +97,8 @@ def _construction_broadcasts():
     return torch.equal(before, m.emb.weight), all(torch.equal(e, everyone[0]) for e in everyone)
 
 
-def test_construction_makes_ranks_equal():
-    (kept0, equal0), (kept1, equal1) = launch(_construction_broadcasts, 2)
+def test_construction_makes_ranks_equal(pool):
+    (kept0, equal0), (kept1, equal1) = pool(2).run(_construction_broadcasts)
     assert kept0 and not kept1 and equal0 and equal1
 
 
@@ -121,8 +121,8 @@ def _count_allreduces_under_no_sync(k):
     return per_micro, len(m.buckets)
 
 
-def test_no_sync_communicates_only_at_the_boundary():
-    for per_micro, n_buckets in launch(_count_allreduces_under_no_sync, 2, 3):
+def test_no_sync_communicates_only_at_the_boundary(pool):
+    for per_micro, n_buckets in pool(2).run(_count_allreduces_under_no_sync, 3):
         assert per_micro == [0, 0, n_buckets]
 
 
@@ -135,10 +135,10 @@ def _unused(find):
     return torch.count_nonzero(m.extra.weight.grad).item()
 
 
-def test_unused_parameter_is_named_or_zero():
+def test_unused_parameter_is_named_or_zero(pool):
     with pytest.raises(RuntimeError, match="extra.weight"):
-        launch(_unused, 2, False)
-    assert launch(_unused, 2, True) == [0, 0]
+        pool(2).run(_unused, False)
+    assert pool(2).run(_unused, True) == [0, 0]
 
 
 def _forward_decides():
@@ -157,8 +157,8 @@ def _forward_decides():
     return quiet, len(calls)
 
 
-def test_the_forward_decides_like_torch_ddp():
-    assert launch(_forward_decides, 2) == [(0, 1), (0, 1)]
+def test_the_forward_decides_like_torch_ddp(pool):
+    assert pool(2).run(_forward_decides) == [(0, 1), (0, 1)]
 
 
 def _train_through_the_interface(kinds, steps=3, clip=0.05):
@@ -201,12 +201,12 @@ def _train_through_the_interface(kinds, steps=3, clip=0.05):
     return out
 
 
-def test_naive_flat_and_bucketed_present_one_interface():
+def test_naive_flat_and_bucketed_present_one_interface(pool):
     """NaiveDDP, FlatDDP and DDP behind no_sync / finish_gradient_synchronization /
     clip_grad_norm_, driven by one loop, equal one process (clipping included, and active)."""
     ref_state, ref_norms, _ = _train_through_the_interface([None])[None]
     assert all(nrm > 0.05 for nrm in ref_norms)  # the clip is active at every step
-    for out in launch(_train_through_the_interface, 2, ["naive", "flat", "bucketed"]):
+    for out in pool(2).run(_train_through_the_interface, ["naive", "flat", "bucketed"]):
         for kind, (state, norms, quiet) in out.items():
             assert quiet == [0, 0, 0], f"{kind} communicated inside no_sync()"
             assert norms == pytest.approx(ref_norms, rel=1e-5), kind
