@@ -52,14 +52,9 @@ import torch  # noqa: F401 - for you: torch.autograd.Function, torch.random.fork
 def checkpoint(fn, x: torch.Tensor) -> torch.Tensor:
     """fn(x), keeping only x for backward and recomputing fn in backward."""
     raise NotImplementedError(
-        "checkpoint: class F(torch.autograd.Function): forward(ctx, fn, x, *params): "
-        "ctx.fn = fn; ctx.rng = torch.get_rng_state(); ctx.amp = (torch.is_autocast_enabled"
-        "(x.device.type), torch.get_autocast_dtype(x.device.type)); ctx.save_for_backward(x); "
-        "return fn(x). backward(ctx, gy): x, = ctx.saved_tensors; x = x.detach()."
-        "requires_grad_(); with torch.random.fork_rng(): torch.set_rng_state(ctx.rng); with "
-        "torch.autocast(device, dtype=..., enabled=...), torch.enable_grad(): y = ctx.fn(x); "
-        "grads = torch.autograd.grad(y, [x, *params], gy, allow_unused=True); return (None, "
-        "*grads). Then: return F.apply(fn, x, *fn.__self__.parameters())")
+        "checkpoint: a torch.autograd.Function whose forward saves only x (and the RNG and "
+        "autocast states) and whose backward recomputes fn(x) and differentiates it; chapter "
+        "09, section 2. `python -m exercises.grade 09 --hint` shows hints, one at a time.")
 
 
 # Where minidist implements it; `python -m exercises.grade 09 --reference` grades this
