@@ -69,17 +69,18 @@ def _run(stage, optimizer, first, last, load_from=None, save_to=None):
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_reshard_between_world_sizes_and_stages(tmp_path, optimizer):
+def test_reshard_between_world_sizes_and_stages(tmp_path, optimizer, pool):
+    # the five runs take their ranks from the session's pools (tests/conftest.py)
     d = str(tmp_path)
     stages = (2, 3, 0) if optimizer == "adamw" else (0, 0, 0)
     # the oracle: one process, 4 steps, saving after 2
-    one2 = launch(_run, 1, 0, optimizer, 0, 2, None, d + "/one")[0]
-    one4 = launch(_run, 1, 0, optimizer, 2, 4, d + "/one/step_00000002", None)[0]
+    one2 = pool(1).run(_run, 0, optimizer, 0, 2, None, d + "/one")[0]
+    one4 = pool(1).run(_run, 0, optimizer, 2, 4, d + "/one/step_00000002", None)[0]
     # 4 ranks (ZeRO-2 or Muon spread over 4) save; 2 ranks (ZeRO-3 / Muon over 2) resume;
     # then 3 ranks at stage 0 resume that
-    a = launch(_run, 4, stages[0], optimizer, 0, 2, None, d + "/a")[0]
-    launch(_run, 2, stages[1], optimizer, 2, 3, d + "/a/step_00000002", d + "/b")
-    c = launch(_run, 3, stages[2], optimizer, 3, 4, d + "/b/step_00000003", None)[0]
+    a = pool(4).run(_run, stages[0], optimizer, 0, 2, None, d + "/a")[0]
+    pool(2).run(_run, stages[1], optimizer, 2, 3, d + "/a/step_00000002", d + "/b")
+    c = pool(3).run(_run, stages[2], optimizer, 3, 4, d + "/b/step_00000003", None)[0]
     saved = a["saved"]
     for name, p in a["params"].items():  # the checkpoint holds exactly what the run held
         assert torch.equal(saved[f"model/{name}"], p), name
