@@ -1,47 +1,37 @@
 """Exercise 02: build all-reduce from point-to-point messages, as a ring.
 
-Chapter 02 (chapters/02_collectives.md) starts processes, gives them ranks and lets them
-send tensors to one another. Every later chapter leans on one collective: all-reduce,
-which leaves on every rank the sum of a tensor over all ranks (data parallelism sums
-gradients with it). Here you build it from nothing but send and receive.
-
-Implement the three functions below, replacing each `raise NotImplementedError(...)`:
-
-- ring_reduce_scatter(chunks): rank r ends with chunks[r] summed over all ranks
-- ring_all_gather(chunks):     rank r's chunks[r] is final; afterwards every rank has all
-- all_reduce(tensor):          sum over ranks in place: the first two, one after the other
+Goal. All-reduce leaves on every rank the sum of a tensor over all ranks (data
+parallelism sums gradients with it). Build it from nothing but send and receive, as the
+ring of chapter 02 (chapters/02_collectives.md, section 4 "The ring, step by step"; the
+deadlock is section 2): ring_reduce_scatter, then ring_all_gather, then all_reduce made
+of the two.
 
 The ring. N ranks stand in a circle: rank r sends only to its right neighbour (r+1) % N
-and receives only from its left neighbour (r-1) % N. Cut the data into N chunks.
-Reduce-scatter takes N-1 steps: at each, every rank sends one chunk's partial sum to the
-right, receives another chunk's partial sum from the left and adds its own data to it.
-A partial sum picks up one more rank's contribution per hop, so after N-1 hops each chunk
-has them all, and it ends on the rank that owns it (chunk r on rank r). All-gather takes
-N-1 more steps that pass the finished chunks around the circle, now copying, not adding.
-Each rank then sends 2(N-1)/N times the tensor's size S, however many ranks there are:
-nearly 2S, where sending everything to one rank and back costs that rank (N-1)S each way.
+and receives only from its left neighbour (r-1) % N. The data is cut into N chunks; after
+the reduce-scatter rank r holds chunk r summed over all ranks, after the all-gather every
+rank holds every summed chunk. Each rank sends 2(N-1)/N times the tensor's size S,
+however many ranks there are.
 
-Rules:
+What the grader checks (2 and 3 ranks; chunk sizes 1 element, not divisible by N,
+uneven, empty chunks; float32 and bfloat16):
+- ring_reduce_scatter: rank r's chunks[r], the same tensor object, holds the sum over
+  ranks (within 2N roundings of the dtype).
+- ring_all_gather: every rank's chunks[i] equals rank i's chunks[i], bit for bit.
+- all_reduce: the sum, in `tensor` itself, float32 and bfloat16, any shape.
+- the ring: each rank sends only to rank r+1, 2(N-1)/N * S bytes (counted per destination).
+
+Rules (enforced in every graded part; a part that breaks one scores 0):
 - Move data only with torch.distributed.isend, irecv, send and recv. No dist.all_reduce,
-  all_gather, all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor, broadcast,
-  reduce, all_to_all, ...: the grader makes them raise while your code runs.
-  dist.get_rank() and dist.get_world_size() say where you are in the circle.
-- Send only to your right neighbour, and send each byte the ring needs, no more: the
-  grader counts the bytes each rank sends and to whom.
-- Don't deadlock. A blocking dist.send waits until the receiver has posted its receive;
-  if every rank sends first, every rank waits forever. Post the receive and the send
-  (irecv, isend) before waiting on either. The grader stops a rank that is still busy
-  after 20 seconds, and the checks that needed it fail.
-- Any number of ranks (the grader runs 2, 3 and 4) and any size, down to one element
-  (with more ranks than elements some chunks are empty) and sizes not divisible by N.
+  all_gather, broadcast, reduce_scatter, all_to_all, ... nor their functional versions:
+  the grader makes them raise while your code runs.
+- Send only to your right neighbour, each byte the ring needs and no more.
+- Don't deadlock: a rank still busy after 20 seconds is stopped, and the part fails.
+- Any number of ranks and any size, down to one element.
 
-Grade your work with
-
-    python -m exercises.grade 02
-
-(it starts 2, 3 and 4 processes on this machine; allow half a minute), and see what full
-marks look like with `python -m exercises.grade 02 --reference`, which grades minidist's
-own implementations (named in REFERENCE below) instead of yours.
+Grade your work with `python -m exercises.grade 02` (about 20 s on a quiet 2-core
+machine: it starts 2 and 3 processes), ask for a hint on the first failing check with
+`python -m exercises.grade 02 --hint` (again for the next one, `--hint K` for the K-th),
+and see what full marks look like with `python -m exercises.grade 02 --reference`.
 
 To experiment, run a function of your own on several processes with
 `minidist.launch.launch(fn, 3, *args)`: it returns each rank's return value and re-raises
@@ -65,12 +55,7 @@ def ring_reduce_scatter(chunks: list[torch.Tensor]) -> None:
     Update chunks[r] in place (add into it, copy into it); don't replace it in the list.
     """
     raise NotImplementedError(
-        "ring_reduce_scatter: in each of N-1 steps, send one chunk to rank (r+1) % N "
-        "while receiving a chunk from rank (r-1) % N into a scratch tensor (torch.empty_like), "
-        "then add the scratch into your own copy of that chunk. Post dist.irecv and "
-        "dist.isend before waiting on either. Choose the chunk index of each step from r "
-        "and the step number so that the last chunk you add into is chunks[r]: try N=3 "
-        "on paper first")
+        "ring_reduce_scatter is not written yet (`python -m exercises.grade 02 --hint` gives a hint)")
 
 
 def ring_all_gather(chunks: list[torch.Tensor]) -> None:
@@ -78,11 +63,10 @@ def ring_all_gather(chunks: list[torch.Tensor]) -> None:
 
     `chunks` as for ring_reduce_scatter; rank r's chunks[r] is final, the others hold
     anything. Afterwards every rank's chunks[i] equals rank i's chunks[i], for every i.
+    Receive into the tensors of the list, in place.
     """
     raise NotImplementedError(
-        "ring_all_gather: N-1 steps again; at each, send to the right the chunk you "
-        "completed most recently (your own, chunks[r], at the first step) and receive "
-        "the next one from the left straight into its place in chunks: nothing to add")
+        "ring_all_gather is not written yet (`python -m exercises.grade 02 --hint` gives a hint)")
 
 
 @torch.no_grad()
@@ -90,14 +74,11 @@ def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     """Sum `tensor` over all ranks, in place, and return it (as minidist.comm.all_reduce).
 
     Any shape, any floating dtype (the grader uses float32 and bfloat16), any number of
-    elements. Work on the flattened tensor cut into N nearly equal chunks by
-    torch.tensor_split (sizes differ by at most one), with your two functions above.
-    On one rank there is nothing to do.
+    elements; the chunks are the flattened tensor cut by torch.tensor_split into N
+    (sizes differ by at most one). On one rank there is nothing to do.
     """
     raise NotImplementedError(
-        "all_reduce: tensor.view(-1) and the pieces torch.tensor_split cuts from it are "
-        "views that share tensor's memory: whatever your two ring functions write into "
-        "them lands in tensor itself")
+        "all_reduce is not written yet (`python -m exercises.grade 02 --hint` gives a hint)")
 
 
 # Where minidist implements each function; `python -m exercises.grade 02 --reference`

@@ -29,6 +29,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from exercises import _rules
 from minidist.launch import LaunchError, shared_pool
 
 
@@ -55,27 +56,37 @@ def _hung(why: str) -> bool:
     return "timed out: a rank waited" in why or "was still busy after" in why
 
 
-def _run_part(part, fns: dict, r: int, n: int, timeout_s: float, hang_hint: str):
-    """("ok", result) | ("notimpl", hint) | ("error", why), on this rank."""
+def _run_part(part, fns: dict, r: int, n: int, timeout_s: float, hang_hint: str,
+              rules=None):
+    """("ok", result) | ("notimpl", hint) | ("rule", what was used) | ("error", why), on
+    this rank. The exercise's rules are watched for the whole part (exercises/_rules.py):
+    a part that used a forbidden API scores 0, whatever else it did."""
     # gloo's timeout ends a wait on a message that never comes; this ends what it cannot
     # see, such as a loop polling work.is_completed() forever
     limit = timeout_s + 10
     watchdog = threading.Timer(limit, _thread.interrupt_main)
     watchdog.daemon = True
     watchdog.start()
+    w = None
     try:
-        return "ok", part(fns, r, n)
-    except NotImplementedError as e:
-        return "notimpl", str(e)
+        with _rules.watching(rules) as w:
+            try:
+                outcome = "ok", part(fns, r, n)
+            except NotImplementedError as e:
+                outcome = "notimpl", str(e)
+        return ("rule", w.broken[0]) if w.broken else outcome
     except KeyboardInterrupt:
         return "error", f"rank {r} was still busy after {limit:.0f}s (an endless loop?)"
     except Exception as e:
+        if w is not None and w.broken:  # the rule tripped, and the part failed of it
+            return "rule", w.broken[0]
         return "error", explain(e, timeout_s, hang_hint)
     finally:
         watchdog.cancel()
 
 
-def _worker(fns: dict, parts: list, timeout_s: float, hang_hint: str, progress: str) -> dict:
+def _worker(fns: dict, parts: list, timeout_s: float, hang_hint: str, progress: str,
+            rules=None) -> dict:
     """Run `parts` [(name, function)] in order on this rank; return {name: [outcome of
     each rank]}. After each part rank 0 writes what is done so far to the file `progress`:
     when a part hangs or a rank dies, launch raises and returns nothing, and the parent
@@ -83,7 +94,7 @@ def _worker(fns: dict, parts: list, timeout_s: float, hang_hint: str, progress: 
     r, n = dist.get_rank(), dist.get_world_size()
     done = {}
     for name, part in parts:
-        outcome = _run_part(part, fns, r, n, timeout_s, hang_hint)
+        outcome = _run_part(part, fns, r, n, timeout_s, hang_hint, rules)
         if outcome[0] == "error":
             raise PartFailed(outcome[1])  # stop: messages in flight could corrupt the next part
         # every rank learns every rank's outcome; none starts the next part before all
@@ -101,14 +112,16 @@ def _worker(fns: dict, parts: list, timeout_s: float, hang_hint: str, progress: 
 def _summary(outcomes: list, n: int) -> tuple[str, object]:
     for r, (kind, payload) in enumerate(outcomes):
         if kind != "ok":
-            return kind, f"[rank {r} of {n}] {payload}" if kind == "error" else payload
+            return kind, f"[rank {r} of {n}] {payload}" if kind in ("error", "rule") else payload
     return "ok", [payload for _, payload in outcomes]
 
 
-def run_all(parts: dict, fns: dict, world_sizes, timeout_s: float, hang_hint: str = "") -> dict:
+def run_all(parts: dict, fns: dict, world_sizes, timeout_s: float, hang_hint: str = "",
+            rules=None) -> dict:
     """{(part name, world size): ("ok", [per-rank results]) | ("notimpl", hint) |
     ("error", why)} for the parts `parts` ({name: function}) at each world size:
-    `world_sizes` lists them (every part at each), or maps each to the part names to run."""
+    `world_sizes` lists them (every part at each), or maps each to the part names to run.
+    `rules` (an exercises._rules.Rules) is watched in every part."""
     plan = world_sizes if isinstance(world_sizes, dict) else {n: list(parts) for n in world_sizes}
     results, failed = {}, {}  # failed: {part: (world size, its result there)}
     with tempfile.TemporaryDirectory(prefix="minidist-grade-") as tmp:
@@ -116,14 +129,14 @@ def run_all(parts: dict, fns: dict, world_sizes, timeout_s: float, hang_hint: st
             for p in names:
                 if p in failed:  # it would fail here too: say where it did
                     m, (kind, why) = failed[p]
-                    results[p, n] = (kind, why if kind == "notimpl" else
+                    results[p, n] = (kind, why if kind in ("notimpl", "rule") else
                                      f"not run, as it failed on {m} rank(s): {why}")
             todo = [p for p in names if p not in failed]
             while todo:
                 progress = os.path.join(tmp, f"{n}-{len(todo)}.pkl")  # one file per launch
                 try:
                     done, why = shared_pool(n).run(_worker, fns, [(p, parts[p]) for p in todo],
-                                                   timeout_s, hang_hint, progress,
+                                                   timeout_s, hang_hint, progress, rules,
                                                    timeout_s=timeout_s)[0], None
                 except Exception as e:
                     done, why = _load(progress), explain(e, timeout_s, hang_hint)
@@ -175,6 +188,8 @@ def per_world_size(results: dict, part: str, world_sizes):
         kind, payload = results.get((part, n), ("error", "not run"))
         if kind == "notimpl":
             raise NotImplementedError(payload)
+        if kind == "rule":
+            raise AssertionError(f"on {n} ranks: {payload} (this part scores 0)")
         if kind == "error":
             raise AssertionError(f"on {n} ranks: {payload}")
         yield n, payload

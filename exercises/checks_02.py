@@ -1,6 +1,6 @@
 """Graded checks of exercise 02 (exercises/02_collectives.py), registered with exercises.grade.
 
-The functions under test run where they must: in 2, 3 and 4 processes of
+The functions under test run where they must: in 2 and 3 processes of
 minidist.launch.shared_pool (launch's processes, kept for the next grading), with a gloo
 process group. The oracle is torch.distributed's own
 all_reduce and all_gather on the same data; only the grader calls them.
@@ -29,12 +29,13 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from exercises import _rules
 from exercises._harness import per_world_size
 from exercises.grade import check
 from minidist import comm
 from minidist.launch import LaunchError, shared_pool
 
-WORLD_SIZES = (2, 3, 4)
+WORLD_SIZES = (2, 3)  # 3 is the smallest ring where the direction matters
 # A part still running after TIMEOUT_S hangs (a deadlock, an endless loop): the rank is
 # stopped. Tests lower it. Process groups get the longer LAUNCH_TIMEOUT_S, as starting
 # 4 processes on a busy machine can take a while.
@@ -72,8 +73,9 @@ def _oracle_sum(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sum is as good as exact, and the second sets the scale of the rounding errors."""
     exact = x.to(torch.float64, copy=True)
     scale = x.to(torch.float64, copy=True).abs()
-    dist.all_reduce(exact)
-    dist.all_reduce(scale)
+    with _rules.exempt():  # the grader's oracle, not the learner's code
+        dist.all_reduce(exact)
+        dist.all_reduce(scale)
     return exact, scale
 
 
@@ -136,7 +138,8 @@ def _all_gather_part(fns: dict, r: int, n: int) -> list[str]:
         padded = torch.zeros(width)
         padded[:sizes[r]] = mine
         gathered = [torch.empty(width) for _ in range(n)]
-        dist.all_gather(gathered, padded)
+        with _rules.exempt():
+            dist.all_gather(gathered, padded)
         want = [g[:s] for g, s in zip(gathered, sizes)]
         # the chunks this rank does not own start as NaN, so a chunk never written shows
         chunks = [mine.clone() if i == r else torch.full((s,), float("nan"))
@@ -181,64 +184,40 @@ def _all_reduce_part(fns: dict, r: int, n: int) -> dict[str, list[str]]:
     return problems
 
 
-# Every ProcessGroup method that moves data other than send and recv. dist.all_reduce,
-# all_gather, all_gather_into_tensor, reduce_scatter(_tensor), broadcast, all_to_all, ...
-# all end in one of these, whatever name the student imported them under. (barrier moves
-# no data and stays allowed.)
-_COLLECTIVES = ("allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced",
-                "allgather_into_tensor_coalesced", "_allgather_base", "all_gather_single",
-                "all_gather_single_coalesced", "reduce_scatter", "reduce_scatter_single",
-                "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced",
-                "_reduce_scatter_base", "alltoall", "alltoall_base", "all_to_all_single",
-                "broadcast", "reduce", "gather", "scatter")
-
-
-class _Forbidden(RuntimeError):
-    pass
+# The exercise's rules, watched in every part while the learner's code runs (see
+# exercises/_rules.py): only send and recv may move data.
+RULES = _rules.Rules(
+    allowed=("send", "recv", "recv_anysource"),
+    collective_rule="only dist.isend/irecv/send/recv may move data in exercise 02 (build the "
+                    "ring from point-to-point messages)")
 
 
 class _Watch:
     def __init__(self):
         self.sent = Counter()  # destination rank -> bytes sent to it
-        self.forbidden = None  # the first collective called
 
 
 @contextmanager
-def _watch():
-    """While the block runs: collectives raise, and every send is counted per destination.
+def _count_sends():
+    """While the block runs, every send is counted per destination.
 
     Patched on the ProcessGroup class, the one road all of torch.distributed's
-    point-to-point and collective functions take (isend and send and batch_isend_irecv
-    all call group.send). Restored afterwards, so the grader's own oracle works.
+    point-to-point functions take (isend and send and batch_isend_irecv all call
+    group.send). Restored afterwards.
     """
-    w, PG, missing = _Watch(), dist.ProcessGroup, object()
-    orig_send = PG.send
+    w, PG = _Watch(), dist.ProcessGroup
+    orig_send = PG.__dict__["send"]
 
     def send(self, tensors, *args, **kwargs):
         dst = args[0] if args else kwargs.get("dstRank")  # a group rank: the global rank here
         w.sent[int(dst)] += sum(t.numel() * t.element_size() for t in tensors)
         return orig_send(self, tensors, *args, **kwargs)
 
-    def forbid(name):
-        def collective(self, *args, **kwargs):
-            w.forbidden = w.forbidden or name  # recorded even if the caller swallows the error
-            raise _Forbidden(f"collective ProcessGroup.{name} called: only isend/irecv/send/recv "
-                             "may move data in this exercise")
-        return collective
-
-    patches = {name: forbid(name) for name in _COLLECTIVES if hasattr(PG, name)}
-    patches["send"] = send
-    saved = {name: PG.__dict__.get(name, missing) for name in patches}
-    for name, f in patches.items():
-        setattr(PG, name, f)
+    PG.send = send
     try:
         yield w
     finally:
-        for name, f in saved.items():
-            if f is missing:
-                delattr(PG, name)
-            else:
-                setattr(PG, name, f)
+        PG.send = orig_send
 
 
 # One size every world size divides (each rank then sends exactly 2(N-1)/N * S) and one
@@ -250,17 +229,12 @@ def _ring_part(fns: dict, r: int, n: int) -> dict:
     runs = []
     for case, size in enumerate(_RING_SIZES):
         t = _data(r, (size,), torch.float32, 2000 + case)
-        with _watch() as w:
-            try:
-                fns["all_reduce"](t)
-            except _Forbidden:
-                pass
-        if w.forbidden:
-            return {"forbidden": w.forbidden, "runs": runs}
+        with _count_sends() as w:
+            fns["all_reduce"](t)
         chunk_bytes = [len(c) * t.element_size() for c in t.tensor_split(n)]
         runs.append({"size": size, "bytes": t.numel() * t.element_size(),
                      "chunk_bytes": chunk_bytes, "sent": dict(w.sent)})
-    return {"forbidden": None, "runs": runs}
+    return {"runs": runs}
 
 
 _PARTS = {"reduce_scatter": _reduce_scatter_part, "all_gather": _all_gather_part,
@@ -297,7 +271,8 @@ def _explain(e: BaseException, timeout_s: float) -> str:
 
 
 def _run_part(part: str, fns: dict, r: int, n: int, timeout_s: float) -> tuple[str, object]:
-    """("ok", results) | ("notimpl", hint) | ("error", why), on this rank."""
+    """("ok", results) | ("notimpl", hint) | ("rule", what was used) | ("error", why), on
+    this rank. The rules are watched for the whole part: a collective scores it 0."""
     # A hang ends this rank: no exception can reach a thread blocked inside gloo, and
     # gloo's own timeout is the process group's, kept long for slow start-ups. launch
     # sees the rank die, stops the others, and the parent reads the exit code.
@@ -309,11 +284,17 @@ def _run_part(part: str, fns: dict, r: int, n: int, timeout_s: float) -> tuple[s
     watchdog = threading.Timer(timeout_s, stop)
     watchdog.daemon = True
     watchdog.start()
+    w = None
     try:
-        return "ok", _PARTS[part](fns, r, n)
-    except NotImplementedError as e:
-        return "notimpl", str(e)
+        with _rules.watching(RULES) as w:
+            try:
+                outcome = "ok", _PARTS[part](fns, r, n)
+            except NotImplementedError as e:
+                outcome = "notimpl", str(e)
+        return ("rule", w.broken[0]) if w.broken else outcome
     except Exception as e:
+        if w is not None and w.broken:
+            return "rule", w.broken[0]
         return "error", _explain(e, timeout_s)
     finally:
         watchdog.cancel()
@@ -409,7 +390,7 @@ def _load(progress: str) -> dict:
 def _summary(outcomes: list, n: int) -> tuple[str, object]:
     for r, (kind, payload) in enumerate(outcomes):
         if kind != "ok":
-            return kind, f"[rank {r} of {n}] {payload}"
+            return kind, f"[rank {r} of {n}] {payload}" if kind != "notimpl" else payload
     return "ok", [payload for _, payload in outcomes]
 
 
@@ -454,20 +435,14 @@ def _all_reduce_bf16(impl):
 
 @check("02", points=1, name="all_reduce moves data with isend/irecv/send/recv only")
 def _point_to_point_only(impl):
-    for n, per_rank in _per_world_size(impl, "ring"):
-        for r, res in enumerate(per_rank):
-            assert res["forbidden"] is None, (
-                f"on {n} ranks, rank {r}'s all_reduce called the collective ProcessGroup."
-                f"{res['forbidden']} (what dist.all_reduce, all_gather, broadcast, ... run): "
-                "build it from dist.isend/irecv/send/recv only")
+    # every part runs under RULES; this one is the all_reduce the bytes are counted of
+    for _ in _per_world_size(impl, "ring"):
+        pass
 
 
 @check("02", points=2, name="all_reduce is a ring: 2(N-1)/N*S bytes per rank, all to rank r+1")
 def _ring_bytes(impl):
     for n, per_rank in _per_world_size(impl, "ring"):
-        if any(res["forbidden"] for res in per_rank):
-            raise AssertionError(f"on {n} ranks all_reduce used a collective, whose bytes "
-                                 "cannot be counted: see the point-to-point check")
         for case in range(len(_RING_SIZES)):
             runs = [res["runs"][case] for res in per_rank]
             S, chunks = runs[0]["bytes"], runs[0]["chunk_bytes"]
@@ -492,3 +467,54 @@ def _ring_bytes(impl):
             assert total == 2 * (n - 1) * S, (
                 f"{what}: the ranks sent {total} bytes together; a ring sends 2(N-1) * S = "
                 f"{2 * (n - 1) * S}")
+
+
+# Tiered hints, shown one at a time by `python -m exercises.grade 02 --hint`: first the
+# idea, then the index arithmetic, then the detail that trips most people.
+HINTS = {
+    "_reduce_scatter": [
+        "N-1 steps. At each step every rank sends one chunk to rank (r+1) % N and receives "
+        "one chunk from rank (r-1) % N into a scratch tensor (torch.empty_like), then adds "
+        "the scratch into its own copy of that chunk. A partial sum picks up one rank's "
+        "contribution per hop.",
+        "Choose the chunk index of each step from r and the step number k so that the last "
+        "chunk you add into is chunks[r]. Work it out for N=3 on paper: at step k rank r "
+        "sends chunk (r - k - 1) % N and adds what it receives into chunk (r - k - 2) % N.",
+        "Post both halves before waiting on either: works = [dist.irecv(buf, left), "
+        "dist.isend(chunk, right)], then w.wait() for each. If every rank calls a blocking "
+        "dist.send first, every rank waits for a receive nobody has posted (chapter 02, "
+        "section 2). Add in place (acc.add_(buf)): chunks[r] must stay the same tensor.",
+    ],
+    "_all_gather": [
+        "N-1 steps again, copying, not adding: at each step send to the right the chunk "
+        "you completed most recently (your own, chunks[r], at the first step) and receive "
+        "the next one from the left.",
+        "At step k rank r sends chunk (r - k) % N and receives chunk (r - k - 1) % N. "
+        "Receive straight into chunks[(r - k - 1) % N]: no scratch tensor, nothing to add.",
+    ],
+    "_all_reduce_fp32": [
+        "tensor.view(-1) and the pieces torch.tensor_split cuts from it are views that share "
+        "tensor's memory: whatever your two ring functions write into them lands in tensor "
+        "itself. Run ring_reduce_scatter then ring_all_gather on the same list of views.",
+        "With one rank there is nothing to do; with more ranks than elements some chunks are "
+        "empty, and sending an empty tensor is fine as long as both sides do it. Return "
+        "`tensor`, not a new one.",
+    ],
+    "_all_reduce_bf16": [
+        "bfloat16 rounds at every hop; that is allowed (2N roundings). Send the native "
+        "dtype: converting to float32 for the wire doubles the bytes.",
+    ],
+    "_point_to_point_only": [
+        "The message names the collective your code called. The exercise is to build the "
+        "sum from dist.isend/irecv (or send/recv) only: no dist.all_reduce per chunk, no "
+        "dist.broadcast or all_gather for the second half.",
+    ],
+    "_ring_bytes": [
+        "A ring sends only to the right neighbour, (r + 1) % N. A ring that sends left is "
+        "also a ring, but not the one asked for: the direction matters in chapter 03, where "
+        "buckets are paired by order.",
+        "Each half sends N-1 chunks per rank: reduce-scatter every chunk but the one the "
+        "rank finishes with, all-gather every chunk but the one it receives last. Sending "
+        "the whole tensor, or a chunk twice, shows up as too many bytes.",
+    ],
+}

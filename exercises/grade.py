@@ -1,4 +1,4 @@
-"""Grade the exercises: `python -m exercises.grade [NN ...] [--reference]`.
+"""Grade the exercises: `python -m exercises.grade [NN ...] [--reference] [--hint [K]]`.
 
 An exercise is a file exercises/NN_name.py: stub functions, and a REFERENCE dict naming
 minidist's implementation of each ("module:attribute"), which `--reference` grades
@@ -9,6 +9,14 @@ what is wrong. Checks compare against an oracle (a model built here, a measureme
 formula written here independently), never against numbers copied from a run.
 tests/test_exercises.py proves for every exercise that its stubs score 0 and minidist
 scores full. A finished grading run exits 0 whatever the score; bad arguments exit 2.
+
+Hints are tiered and asked for: `--hint` grades, then shows the next hint of the first
+failing check (the first call its first hint, the next call the second, ...), `--hint K`
+its K-th. A check's hints are `@check(..., hints=[...])`, or an entry of a `HINTS` dict
+in exercises/checks_NN.py keyed by the check function's name (or the check's name). How
+many hints of each check were shown is kept in a small JSON file outside the repository,
+$XDG_CACHE_HOME/minidist/hints.json (~/.cache/minidist/hints.json when unset;
+MINIDIST_HINT_STATE names another file), so a learner's clone stays clean.
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import json
+import os
 import re
 import sys
 import textwrap
@@ -37,17 +47,28 @@ class Check:
     name: str
     points: int
     fn: Callable[[SimpleNamespace], None]
+    hints: list[str] = field(default_factory=list)
 
 
 CHECKS: dict[str, list[Check]] = {}
 
 
-def check(nn: str, points: int = 1, name: str | None = None):
-    """Register a graded check of exercise `nn`, worth `points` when it passes."""
+def check(nn: str, points: int = 1, name: str | None = None, hints: list[str] | None = None):
+    """Register a graded check of exercise `nn`, worth `points` when it passes, with its
+    tiered hints (first the gentlest)."""
     def register(fn):
-        CHECKS.setdefault(nn, []).append(Check(name or fn.__name__, points, fn))
+        CHECKS.setdefault(nn, []).append(Check(name or fn.__name__, points, fn, list(hints or [])))
         return fn
     return register
+
+
+def hints_of(nn: str, c: Check) -> list[str]:
+    """The hints of check `c`: its own, else exercises/checks_NN.py's HINTS entry."""
+    if c.hints:
+        return c.hints
+    mod = sys.modules.get(f"exercises.checks_{nn}")
+    table = getattr(mod, "HINTS", {}) or {}
+    return list(table.get(c.fn.__name__) or table.get(c.name) or [])
 
 
 def available() -> dict[str, str]:
@@ -161,6 +182,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m exercises.grade", description=__doc__.split("\n")[0])
     p.add_argument("exercises", nargs="*", metavar="NN", help="exercise numbers (default: all)")
     p.add_argument("--reference", action="store_true", help="grade minidist's implementations")
+    p.add_argument("--hint", nargs="?", type=int, const=0, default=None, metavar="K",
+                   help="after grading, the next hint for the first failing check (or hint K)")
     args = p.parse_args(argv)
     known = available()
     args.chosen = []
@@ -171,12 +194,64 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     + ", ".join(f"{k} ({v})" for k, v in known.items()))
         args.chosen.append(nn)
     args.chosen = list(dict.fromkeys(args.chosen))
+    if args.hint is not None and len(args.chosen) != 1:
+        p.error("--hint needs one exercise number, e.g. python -m exercises.grade 02 --hint")
+    if args.hint is not None and args.hint < 0:
+        p.error("--hint K counts from 1")
     return args
+
+
+def hint_state_path() -> Path:
+    if os.environ.get("MINIDIST_HINT_STATE"):
+        return Path(os.environ["MINIDIST_HINT_STATE"])
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "minidist" / "hints.json"
+
+
+def _load_state() -> dict:
+    try:
+        return json.loads(hint_state_path().read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: start counting again
+        return {}
+
+
+def hint(result: Result, k: int | None = None) -> str:
+    """The next hint (or the K-th, 1-based) for the first failing check of `result`,
+    counted in the hint state file."""
+    failing = next((c for c in result.checks if not c.ok), None)
+    if failing is None:
+        return f"{result.name}: every check passes; no hint needed."
+    check_ = next(c for c in checks_of(result.nn) if c.name == failing.name)
+    hints = hints_of(result.nn, check_)
+    if not hints:
+        return (f"{result.name}: no hints for '{failing.name}'; its message above says "
+                "what is wrong, and the exercise's docstring states the rule it checks.")
+    state, key = _load_state(), f"{result.nn}:{failing.name}"
+    shown = state.get(key, 0)
+    if k is None:
+        k = min(shown + 1, len(hints))
+    if not 1 <= k <= len(hints):
+        return f"{result.name}: '{failing.name}' has hints 1 to {len(hints)}, not {k}."
+    state[key] = max(shown, k)
+    try:
+        path = hint_state_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(state, indent=1, sort_keys=True))
+    except OSError:  # a read-only home: the hint still shows, the count does not advance
+        pass
+    more = ("this is the last one" if k == len(hints) else
+            f"`python -m exercises.grade {result.nn} --hint` shows hint {k + 1}")
+    return "\n".join([f"Hint {k} of {len(hints)} for {result.name}, '{failing.name}' ({more}):", ""]
+                     + textwrap.wrap(hints[k - 1], 88, initial_indent="  ", subsequent_indent="  "))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    print(report([grade(nn, args.reference) for nn in args.chosen], args.reference))
+    results = [grade(nn, args.reference) for nn in args.chosen]
+    print(report(results, args.reference))
+    if args.hint is not None:
+        print()
+        print(hint(results[0], None if args.hint == 0 else args.hint))
     return 0
 
 

@@ -122,6 +122,23 @@ def ar_torch(tensor):
     return tensor
 
 
+# -- 3b. collectives dressed as the two halves: all_reduce per chunk, broadcast to gather.
+#        Right numbers, no ring: every part that runs them scores 0, naming the API
+
+def rs_all_reduce_per_chunk(chunks):
+    for c in chunks:
+        dist.all_reduce(c)
+
+
+def ag_broadcast(chunks):
+    for i, c in enumerate(chunks):
+        dist.broadcast(c, src=i)
+
+
+def ar_collectives(tensor):
+    return _all_reduce_via(tensor, rs_all_reduce_per_chunk, ag_broadcast)
+
+
 # -- 4. everything to rank 0 and back: point-to-point and right, but rank 0 sends (N-1)*S
 
 def ar_through_rank_0(tensor):
@@ -178,7 +195,12 @@ MISTAKES = {
     "a ring going left": (
         dict(ring_reduce_scatter=rs_mirrored, ring_all_gather=ag_mirrored, all_reduce=ar_mirrored),
         {"ring"}, "sends only to its right neighbour"),
-    "dist.all_reduce": (dict(all_reduce=ar_torch), {"p2p", "ring"}, "collective"),
+    "dist.all_reduce": (dict(all_reduce=ar_torch), {"fp32", "bf16", "p2p", "ring"},
+                        "dist.all_reduce (ProcessGroup.allreduce) was called, which this exercise forbids"),
+    "all_reduce per chunk, broadcast": (
+        dict(ring_reduce_scatter=rs_all_reduce_per_chunk, ring_all_gather=ag_broadcast,
+             all_reduce=ar_collectives),
+        set(CHECK), "which this exercise forbids: only dist.isend/irecv/send/recv"),
     "through rank 0": (dict(all_reduce=ar_through_rank_0), {"ring"}, "sent"),
 }
 
@@ -242,3 +264,24 @@ def test_results_are_cached_per_implementation(three_ranks, monkeypatch):
     assert len(runs) == 1
     G.grade("02", reference=True, overrides=dict(all_reduce=ar_torch))
     assert len(runs) == 2
+
+
+def test_hints_come_in_order_for_the_first_failing_check(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINIDIST_HINT_STATE", str(tmp_path / "hints.json"))
+    # a graded result whose first failing check is the reduce-scatter (no processes needed)
+    checks = G.checks_of("02")
+    result = G.Result("02", "02_collectives", [G.CheckResult(c.name, False, 0, c.points, "x")
+                                                for c in checks])
+    want = C.HINTS["_reduce_scatter"]
+    shown = [G.hint(result) for _ in range(len(want) + 1)]
+    for k, text in enumerate(shown[:len(want)], 1):
+        assert text.startswith(f"Hint {k} of {len(want)}"), text
+        assert " ".join(want[k - 1].split()[:6]) in " ".join(text.split()), text
+    assert shown[-1].startswith(f"Hint {len(want)} of {len(want)}")  # stays on the last
+    assert G.hint(result, 1).startswith("Hint 1 of")  # --hint K: that one
+    assert "hints 1 to" in G.hint(result, 99)
+    passed = G.Result("02", "02_collectives", [G.CheckResult(c.name, True, c.points, c.points)
+                                               for c in checks])
+    assert "no hint needed" in G.hint(passed)
+    # every check of the exercise has hints
+    assert all(G.hints_of("02", c) for c in checks)

@@ -1,0 +1,239 @@
+"""The rules each exercise states, enforced while the learner's code runs, in every graded part.
+
+An exercise's checks module declares its rules once, as a `Rules`; the grader runs each
+part inside `watch(rules)`, which for the length of the part:
+
+- makes the torch.distributed collectives the rules forbid trip: the ProcessGroup methods
+  every dist.all_reduce, all_gather, broadcast, ... call ends in (whatever name the
+  learner imported it under), the backends' own methods, and the functional collectives;
+- makes the constructors of forbidden classes trip (torch's DistributedDataParallel does
+  its all-reduces in C++, past any Python patch, but it is built in Python; so is
+  ZeroRedundancyOptimizer, torch.optim.Muon, GradScaler), subclasses included;
+- makes forbidden functions trip where they live and, for plain functions, in their code
+  object itself, so an alias imported before grading trips as well.
+
+`scan(obj)` finds forbidden module types anywhere in a module tree (fully_shard turns a
+module into an FSDPModule without calling a constructor). A tripped rule raises RuleBroken
+and is recorded even when the learner's code swallows the exception; the harness then
+scores the part 0 with the message, which names the API and the rule. The grader's own
+oracle runs its collectives inside `exempt()`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import types
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+# Every ProcessGroup method that moves data other than send and recv. (barrier and
+# monitored_barrier move no data and stay allowed.)
+COLLECTIVES = ("allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced",
+               "allgather_into_tensor_coalesced", "_allgather_base", "all_gather_single",
+               "all_gather_single_coalesced", "reduce_scatter", "reduce_scatter_single",
+               "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced",
+               "_reduce_scatter_base", "alltoall", "alltoall_base", "all_to_all_single",
+               "broadcast", "reduce", "gather", "scatter")
+# what the ProcessGroup methods are called from torch.distributed's side, for messages
+_DIST_NAME = {"allreduce": "dist.all_reduce", "allgather": "dist.all_gather",
+              "_allgather_base": "dist.all_gather_into_tensor",
+              "all_gather_single": "dist.all_gather_into_tensor",
+              "reduce_scatter": "dist.reduce_scatter",
+              "_reduce_scatter_base": "dist.reduce_scatter_tensor",
+              "reduce_scatter_single": "dist.reduce_scatter_tensor",
+              "alltoall_base": "dist.all_to_all_single", "alltoall": "dist.all_to_all",
+              "broadcast": "dist.broadcast", "reduce": "dist.reduce",
+              "gather": "dist.gather", "scatter": "dist.scatter"}
+# torch.distributed._functional_collectives: dispatched in C++, so watched by name
+_FUNCTIONAL = ("all_reduce", "all_reduce_coalesced", "all_gather_tensor",
+               "all_gather_into_tensor_coalesced", "reduce_scatter_tensor",
+               "reduce_scatter_tensor_coalesced", "all_to_all_single", "broadcast")
+
+TORCH_DDP = "torch.nn.parallel.DistributedDataParallel"
+TORCH_FSDP = ("torch.distributed.fsdp.FullyShardedDataParallel",
+              "torch.distributed.fsdp.FSDPModule", "torch.distributed.fsdp.fully_shard")
+
+
+class RuleBroken(RuntimeError):
+    """Raised where the learner's code called what its exercise forbids."""
+
+
+@dataclass(frozen=True)
+class Rules:
+    """An exercise's rules. `allowed`: the ProcessGroup methods the learner may call, or
+    None when the exercise restricts no collective; `collective_rule` says the rule in
+    words. `apis`: {dotted name of a forbidden class or function: the rule in words}."""
+    allowed: tuple[str, ...] | None = None
+    collective_rule: str = ""
+    apis: dict = field(default_factory=dict)
+
+
+class Watch:
+    def __init__(self):
+        self.broken: list[str] = []
+
+    def trip(self, api: str, rule: str):
+        msg = f"{api} was called, which this exercise forbids: {rule}"
+        if msg not in self.broken:
+            self.broken.append(msg)
+        raise RuleBroken(msg)
+
+
+_STATE = threading.local()  # .exempt: the grader's own oracle is running
+
+
+def _exempt() -> bool:
+    return getattr(_STATE, "exempt", False)
+
+
+@contextmanager
+def exempt():
+    """The grader's own collectives (its oracle) run in here, past the watch."""
+    before, _STATE.exempt = _exempt(), True
+    try:
+        yield
+    finally:
+        _STATE.exempt = before
+
+
+def resolve(dotted: str):
+    """The object a dotted name names (longest importable module prefix, then attributes);
+    None when this torch has no such thing."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        try:
+            for a in parts[i:]:
+                obj = getattr(obj, a)
+        except AttributeError:
+            return None
+        return obj
+    return None
+
+
+def _patch_attr(undo: list, owner, name: str, value) -> None:
+    missing = object()
+    old = owner.__dict__.get(name, missing) if isinstance(owner, type) else getattr(owner, name, missing)
+    setattr(owner, name, value)
+    undo.append(lambda: delattr(owner, name) if old is missing else setattr(owner, name, old))
+
+
+def _trip_method(w: Watch, cls, name: str, api: str, rule: str, undo: list) -> None:
+    orig = getattr(cls, name)
+
+    def tripwire(self, *args, **kwargs):
+        if _exempt():
+            return orig(self, *args, **kwargs)
+        w.trip(api, rule)
+    _patch_attr(undo, cls, name, tripwire)
+
+
+def _trip_function(w: Watch, dotted: str, f, rule: str, undo: list) -> None:
+    """Replace `f` where it lives and, for a plain function, swap its code for one that
+    trips, so that references taken before the watch began trip too."""
+    module, _, name = dotted.rpartition(".")
+    owner = resolve(module)
+
+    def tripwire(*args, **kwargs):
+        if _exempt():
+            return f(*args, **kwargs)
+        w.trip(dotted, rule)
+    if owner is not None:
+        _patch_attr(undo, owner, name, tripwire)
+    if isinstance(f, types.FunctionType) and f.__closure__ is None:
+        same = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__)
+        same.__kwdefaults__ = f.__kwdefaults__
+        key = f"__exercise_rule_{id(f)}"
+
+        def trip(args, kwargs):
+            if _exempt():
+                return same(*args, **kwargs)
+            w.trip(dotted, rule)
+        ns: dict = {}
+        exec(f"def _t(*args, **kwargs):\n    return {key}(args, kwargs)\n", ns)
+        f.__globals__[key], code = trip, f.__code__
+        f.__code__ = ns["_t"].__code__
+
+        def restore():
+            f.__code__ = code
+            f.__globals__.pop(key, None)
+        undo.append(restore)
+
+
+@contextmanager
+def watch(rules: Rules | None):
+    """While the block runs, what `rules` forbids trips (see the module docstring)."""
+    w, undo = Watch(), []
+    try:
+        if rules is not None and rules.allowed is not None:
+            classes = [dist.ProcessGroup] + [c for c in (getattr(dist, "ProcessGroupGloo", None),)
+                                             if c is not None]
+            for cls in classes:
+                for name in COLLECTIVES:
+                    if name not in rules.allowed and name in dir(cls):
+                        api = _DIST_NAME.get(name, f"ProcessGroup.{name}")
+                        _trip_method(w, cls, name, f"{api} (ProcessGroup.{name})",
+                                     rules.collective_rule, undo)
+            for name in _FUNCTIONAL:
+                dotted = f"torch.distributed._functional_collectives.{name}"
+                if (f := resolve(dotted)) is not None:
+                    _trip_function(w, dotted, f, rules.collective_rule, undo)
+        for dotted, rule in (rules.apis if rules is not None else {}).items():
+            obj = resolve(dotted)
+            if isinstance(obj, type):
+                _trip_method(w, obj, "__init__", dotted, rule, undo)
+            elif callable(obj):
+                _trip_function(w, dotted, obj, rule, undo)
+        yield w
+    finally:
+        for f in reversed(undo):
+            f()
+
+
+def scan(w: Watch | None, rules: Rules | None, *objs) -> None:
+    """Trip on any forbidden class found in `objs` or, for modules, anywhere in their tree
+    (what a constructor patch cannot see: fully_shard, an object built before the watch)."""
+    if w is None or rules is None:
+        return
+    classes = [(d, c, rule) for d, rule in rules.apis.items() if isinstance(c := resolve(d), type)]
+    for obj in objs:
+        inside = list(obj.modules()) if hasattr(obj, "modules") else [obj]
+        if hasattr(obj, "__dict__"):  # a wrapper holding the module it wraps
+            inside += [v for v in vars(obj).values() if hasattr(v, "modules")]
+            inside += [m for v in vars(obj).values() if hasattr(v, "modules") for m in v.modules()]
+        for m in inside:
+            for dotted, cls, rule in classes:
+                if isinstance(m, cls):
+                    try:
+                        w.trip(dotted, rule)
+                    except RuleBroken:
+                        pass
+
+
+def current() -> tuple[Watch | None, Rules | None]:
+    """The watch and rules of the part running on this rank (set by the harness)."""
+    return getattr(_STATE, "watch", None), getattr(_STATE, "rules", None)
+
+
+@contextmanager
+def watching(rules: Rules | None):
+    """watch(rules), remembered as current() for parts that scan what they built."""
+    with watch(rules) as w:
+        before = current()
+        _STATE.watch, _STATE.rules = w, rules
+        try:
+            yield w
+        finally:
+            _STATE.watch, _STATE.rules = before
+
+
+def scan_built(*objs) -> None:
+    """scan() with the current part's watch and rules: called by parts on what the
+    learner's code built."""
+    scan(*current(), *objs)
