@@ -12,7 +12,6 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from minidist import memory as M
 from minidist import recompute
-from minidist.launch import launch
 from minidist.model import GPT, GPTConfig
 from minidist.recompute import set_activation_checkpointing
 
@@ -142,8 +141,8 @@ def _on_two_ranks():
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    return launch(_on_two_ranks, 2)
+def two_ranks(pool):
+    return pool(2).run(_on_two_ranks)
 
 
 def test_memory_model_predicts_the_measured_peak(two_ranks):

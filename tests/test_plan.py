@@ -7,7 +7,6 @@ import pytest
 
 from minidist import plan as P
 from minidist.cost_model import MODELS
-from minidist.launch import launch
 from minidist.memory import GB, step_memory
 from minidist.model import GPTConfig, config_num_params
 
@@ -78,7 +77,7 @@ def _train(argv):
     return {"args": {k: s["args"][k] for k in keys}, "val_loss": s["val_loss"]}
 
 
-def test_auto_flags_run_the_planned_configuration(tmp_path):
+def test_auto_flags_run_the_planned_configuration(tmp_path, pool):
     from minidist.flags import build_parser, resolve_args
     cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=512)
     # a budget between what 1 micro-step of 4 needs without recomputation and with it,
@@ -90,7 +89,7 @@ def test_auto_flags_run_the_planned_configuration(tmp_path):
     choice, line = P.plan(cfg, 8, 32, 2, 0.99 * full)
     assert args.plan == line and (args.zero_stage, args.grad_accum_steps) == (choice.stage, choice.accum)
     assert (choice.stage, choice.accum, choice.checkpointed) != (0, 1, False)
-    runs = launch(_train, 2, argv)
+    runs = pool(2).run(_train, argv)
     for s in runs:
         a = s["args"]
         assert (a["zero_stage"], a["grad_accum_steps"]) == (choice.stage, choice.accum)
