@@ -117,11 +117,13 @@ def step_memory(cfg: GPTConfig, micro_batch: int, seq_len: int, world: int = 1, 
     states = model_state_bytes(psi, world, stage, k=8, p=4, g=4)
     params, grads = 4 * psi / (world if stage >= 3 else 1), 4 * psi / (world if stage >= 2 else 1)
     optim = states - params - grads
-    unit = 4 * psi / L if stage == 3 else min(4 * psi, bucket_cap_mb * 2**20)
+    block = 4 * _block_params(cfg)
+    unit = min(block if stage == 3 else 4 * psi, bucket_cap_mb * 2**20)  # a bucket's gradients
     if stage == 0:    # DDP's buckets hold the gradients; backward makes fresh ones beside them
         in_flight = 4 * psi
-    elif stage == 3:  # the gathered root unit (embeddings, ln_f) and two blocks (prefetch)
-        in_flight = 4 * (psi - L * _block_params(cfg)) * (world > 1) + 2 * unit * (world > 1) + 2 * unit
+    elif stage == 3:  # gathered: the root (embeddings, ln_f) and two whole blocks (prefetch);
+        # and the gradients of the bucket being reduce-scattered (not validated: see chapter 09)
+        in_flight = zero3_gathered_bytes(cfg) + 2 * unit
     else:             # full gradients of the unit being reduce-scattered, and its result
         in_flight = 2 * unit if stage == 2 else 0.0
     act = activation_bytes(cfg, B, T, precision, checkpointed)
@@ -141,6 +143,14 @@ def step_memory(cfg: GPTConfig, micro_batch: int, seq_len: int, world: int = 1, 
                activations=act, transient=max(logits_grad, recompute),
                peak=max(start, during, end))
     return {k: float(v) for k, v in out.items()}
+
+
+def zero3_gathered_bytes(cfg: GPTConfig) -> float:
+    """ZeRO-3's most gathered fp32 parameters at once: the root unit (everything outside
+    the blocks), held from forward to the end of backward, and two blocks (the one that
+    runs and the one prefetched)."""
+    block = 4 * _block_params(cfg)
+    return 4 * config_num_params(cfg) - cfg.n_layer * block + 2 * block
 
 
 def _block_params(cfg: GPTConfig) -> int:

@@ -97,7 +97,11 @@ def plan(cfg: GPTConfig, batch: int, seq_len: int, world: int, budget_gb: float,
          bucket_cap_mb: float = 25.0) -> tuple[Choice, str]:
     """The cheapest configuration whose peak fits `budget_gb`, and one line of reasoning."""
     budget = budget_gb * GB
-    accums = sorted(accums or accum_options(batch, world))
+    valid = accum_options(batch, world)
+    if accums and not set(accums) & set(valid):
+        raise PlanError(f"{batch} sequences over {world} ranks do not split into {accums} micro-steps: "
+                        f"choose from {valid}")
+    accums = sorted(set(accums or valid) & set(valid))
     best, cheapest_miss = None, None
     for stage in stages:
         for ck in ckpts:

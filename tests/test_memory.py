@@ -116,10 +116,13 @@ def _step_peak(cfg, B, T, stage, checkpointed, precision):
     return m.peak, model_peak
 
 
+ZERO3 = GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.1)
+
+
 def _zero3_grads(checkpointed):
     from minidist.zero import zero_optimizer
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.1))
+    model = GPT(ZERO3)
     set_activation_checkpointing(model, checkpointed)
     opt = zero_optimizer(model, model.parameters(), torch.optim.SGD, 3, lr=0.1)
     torch.manual_seed(1 + dist.get_rank())
@@ -129,8 +132,9 @@ def _zero3_grads(checkpointed):
         loss.backward()
         opt.step()
         opt.zero_grad()
+    peak = opt.peak_gathered_bytes  # before gathered() below gathers everything
     with opt.gathered():
-        return [p.detach().clone() for p in model.parameters()]
+        return [p.detach().clone() for p in model.parameters()], peak
 
 
 def _on_two_ranks():
@@ -152,5 +156,11 @@ def test_memory_model_predicts_the_measured_peak(two_ranks):
 
 
 def test_recomputation_under_zero3_trains_as_without(two_ranks):
-    for _, plain, ckpt in two_ranks:  # dropout on: each rank's own masks, replayed
+    for _, (plain, _), (ckpt, _) in two_ranks:  # dropout on: each rank's own masks, replayed
         assert all(torch.equal(a, b) for a, b in zip(plain, ckpt))
+
+
+def test_zero3_gathers_what_the_model_says(two_ranks):
+    # the parameters ZeRO-3 holds gathered at its peak (padding to 2 ranks aside)
+    for _, (_, plain), (_, ckpt) in two_ranks:
+        assert plain == ckpt == pytest.approx(M.zero3_gathered_bytes(ZERO3), rel=0.01)
