@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from minidist import train_gpt
-from minidist.launch import launch
 from minidist.model import GPT, GPTConfig
 from minidist.muon import NS_COEFFICIENTS, Muon, check_routing, newton_schulz, split_params
 from minidist.newton_schulz import POLAR_EXPRESS, POLAR_EXPRESS_MARGIN, newton_schulz_many
@@ -165,11 +164,11 @@ def _distributed():
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_distributed_muon_equals_one_process(world):
+def test_distributed_muon_equals_one_process(world, pool):
     """Each matrix is orthogonalised by its owner and all-gathered: the result must be
     one process's, to the bit (the same operations on the same values), in fp32 and bf16;
     the momentum is spread over the ranks."""
-    results = launch(_distributed, world)
+    results = pool(world).run(_distributed)  # the session's ranks (tests/conftest.py)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -272,14 +271,14 @@ def test_check_routing_passes_the_right_routing_and_catches_each_failure_class()
             check_routing(model, opts)
 
 
-def test_train_gpt_muon_two_ranks_equals_one(tmp_path):
+def test_train_gpt_muon_two_ranks_equals_one(tmp_path, pool):
     argv = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seq-len", "32",
             "--tokenizer", "gpt2-512", "--lr", "3e-3", "--warmup-steps", "2", "--eval-windows",
             "8", "--final-eval-windows", "32", "--sample-tokens", "4", "--log-interval", "1",
             "--device", "cpu", "--steps", "6", "--batch-size", "8", "--eval-interval", "100",
             "--optimizer", "muon", "--out-dir", str(tmp_path)]
     one = train_gpt.main(argv)
-    two = launch(train_gpt.main, 2, argv)
+    two = pool(2).run(train_gpt.main, argv)  # the session's ranks (tests/conftest.py)
     losses = lambda s: [r["loss"] for r in s["rows"] if "loss" in r]
     for s in two:
         assert losses(s) == pytest.approx(losses(one), rel=1e-5, abs=1e-6)

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from minidist import train_gpt
-from minidist.launch import launch
 from minidist.scaler import FP32_MAX, LossScaler, ScaleCollapseError
 
 
@@ -144,8 +143,8 @@ def _one_rank_overflows(bad_rank):
                 state_same=state_same and bool(state), weight=model.weight.detach().clone())
 
 
-def test_an_overflow_on_one_rank_makes_every_rank_skip():
-    results = launch(_one_rank_overflows, 3, 2)  # rank 2 of 3 alone sees the inf
+def test_an_overflow_on_one_rank_makes_every_rank_skip(pool):
+    results = pool(3).run(_one_rank_overflows, 2)  # rank 2 of 3 alone sees the inf
     for r in results:
         assert r["skipped"] == 1 and r["scale"] == 2.0**7
         assert r["unchanged"] and r["state_same"]  # parameters and AdamW moments untouched
@@ -158,7 +157,7 @@ TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", 
         "--device", "cpu", "--steps", "40", "--batch-size", "8", "--eval-interval", "100"]
 
 
-def test_fp16_and_bf16_train_like_fp32(tmp_path):
+def test_fp16_and_bf16_train_like_fp32(tmp_path, pool):
     """Same seed, data and steps as fp32. Autocast rounds matmul inputs to 8 (bf16) or 11
     (fp16) significant bits; averaged over the batch's tokens that moves each loss by far
     less than those bits' relative precision (2**-8, 2**-11), so we allow 0.5% per step
@@ -167,7 +166,7 @@ def test_fp16_and_bf16_train_like_fp32(tmp_path):
     loss, within 2%; all of them learn about 1 nat/token (6.24 -> ~5.25)."""
     def run(precision, world, *extra):
         argv = TINY + ["--precision", precision, "--out-dir", str(tmp_path / precision), *extra]
-        return train_gpt.main(argv) if world == 1 else launch(train_gpt.main, world, argv)[0]
+        return train_gpt.main(argv) if world == 1 else pool(world).run(train_gpt.main, argv)[0]
     losses = lambda s: [r["loss"] for r in s["rows"] if "loss" in r]
     ref = run("fp32", 1)
     assert losses(ref)[0] - losses(ref)[-1] > 0.8  # it learns

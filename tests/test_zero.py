@@ -139,8 +139,8 @@ def _check_bucket_cap_means_the_same_in_ddp_and_every_zero_stage(out):
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_every_stage_equals_the_plain_optimizer(world):
-    results = launch(_all_cases, world)  # one launch for every case at this world size
+def test_every_stage_equals_the_plain_optimizer(world, pool):
+    results = pool(world).run(_all_cases)  # one call for every case at this world size (tests/conftest.py)
     oracle = {name: _plain(name) for name in OPTIMIZERS}
     _check_bucket_cap_means_the_same_in_ddp_and_every_zero_stage(results[0]["layouts"])
     for case in CASES:
@@ -222,10 +222,10 @@ def _accounting():
     return out
 
 
-def test_memory_and_bytes_sent_match_the_formulas():
+def test_memory_and_bytes_sent_match_the_formulas(pool):
     model = _model()
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    results = launch(_accounting, 3)
+    results = pool(3).run(_accounting)
     for stage, (n, mem, sent) in ((s, r[s]) for r in results for s in (1, 2)):
         padded = psi + mem["padding_elements"]
         assert padded % n == 0 and mem["padding_elements"] < n * mem["buckets"]  # < N per bucket
