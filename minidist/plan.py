@@ -64,6 +64,12 @@ class Choice:
         return f"ZeRO-{self.stage}, {steps}, {'recomputation' if self.checkpointed else 'no recomputation'}"
 
 
+def _gb(nbytes: float) -> str:
+    """Gigabytes with two decimals; small budgets (CPU runs) with two significant digits."""
+    v = nbytes / GB
+    return f"{v:.2f}" if v >= 0.1 else f"{v:.2g}"
+
+
 def comm_bytes(stage: int, accum: int, psi: int, world: int, elem: int = 4) -> float:
     """Bytes each rank sends per optimizer step (fp32 gradients on the wire, as minidist)."""
     share = psi * (world - 1) / world * elem
@@ -115,22 +121,22 @@ def plan(cfg: GPTConfig, batch: int, seq_len: int, world: int, budget_gb: float,
                     cheapest_miss = c
     if best is None:
         raise PlanError(_nothing_fits(cfg, batch, seq_len, world, budget_gb, precision, stages, bucket_cap_mb))
-    line = f"{best.describe()}: {best.peak / GB:.2f} of {budget_gb:.2f} GB"
+    line = f"{best.describe()}: {_gb(best.peak)} of {_gb(budget)} GB"
     if cheapest_miss is not None and cheapest_miss.price() < best.price():
-        line += f"; {cheapest_miss.describe()} needs {cheapest_miss.peak / GB:.2f} GB"
+        line += f"; {cheapest_miss.describe()} needs {_gb(cheapest_miss.peak)} GB"
     return best, line
 
 
 def _nothing_fits(cfg, batch, seq_len, world, budget_gb, precision, stages, bucket_cap_mb) -> str:
     least = min((evaluate(cfg, batch, seq_len, world, s, batch // world, True, precision, bucket_cap_mb)
                  for s in stages), key=lambda c: c.peak)
-    msg = (f"nothing fits {budget_gb:.2f} GB per rank: the smallest, {least.describe()}, needs "
-           f"{least.peak / GB:.2f} GB")
+    msg = (f"nothing fits {_gb(budget_gb * GB)} GB per rank: the smallest, {least.describe()}, needs "
+           f"{_gb(least.peak)} GB")
     for n in (2 ** i for i in range(1, 21)):  # more ranks, the same global batch
         if n > world and batch % n == 0 and 3 in stages:
             c = evaluate(cfg, batch, seq_len, n, 3, batch // n, True, precision, bucket_cap_mb)
             if c.peak <= budget_gb * GB:
-                return msg + f"; {n} ranks would fit it ({c.describe()}: {c.peak / GB:.2f} GB)"
+                return msg + f"; {n} ranks would fit it ({c.describe()}: {_gb(c.peak)} GB)"
     return msg + "; use a shorter --seq-len, a smaller model, or a larger --memory-budget-gb"
 
 
