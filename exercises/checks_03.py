@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from exercises import _harness as H
+from exercises import _rules
 from exercises.grade import check
 from minidist.ddp import make_buckets
 
@@ -30,6 +31,14 @@ STEPS, BATCH, SEQ = 3, 12, 6  # BATCH divides over 2 and 3 ranks
 CAPS = {"several": 0.004, "one_bucket": None, "per_param": 0}  # 0.004 MiB: 5 buckets below
 HANG_HINT = ("Every rank must launch the same all-reduces in the same order and wait only "
              "for what it launched.")
+# The exercise's rules, watched in every part while the learner's code runs
+# (exercises/_rules.py); the grader's own collectives run in _rules.exempt().
+_NOT_TORCH = "build the buckets, hooks and all-reduces yourself, not with torch's wrappers"
+RULES = _rules.Rules(
+    allowed=("allreduce", "broadcast", "send", "recv"),
+    collective_rule="exercise 03 moves data with dist.broadcast (construction) and "
+                    "dist.all_reduce (the buckets) only",
+    apis={_rules.TORCH_DDP: _NOT_TORCH, **{name: _NOT_TORCH for name in _rules.TORCH_FSDP}})
 
 
 # --------------------------------------------------------------------- reference adapter
@@ -39,6 +48,16 @@ def reference_make_buckets(module: nn.Module, bucket_cap_mb: float | None) -> li
     parameters already in the order backward produces their gradients)."""
     return make_buckets([p for p in reversed(list(module.parameters())) if p.requires_grad],
                         bucket_cap_mb)
+
+
+def reference_bucket_by_dtype(module: nn.Module, bucket_cap_mb: float | None) -> list[list[nn.Parameter]]:
+    """bucket_by_dtype fixed: the parameters in a list (reverse registration order), not a
+    set, whose order follows the objects' addresses: different on every rank and run."""
+    order = [p for p in reversed(list(module.parameters())) if p.requires_grad]
+    by_dtype: dict = {}
+    for p in order:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    return [b for params in by_dtype.values() for b in make_buckets(params, bucket_cap_mb)]
 
 
 # --------------------------------------------------------------------- model, data, oracles
@@ -76,6 +95,22 @@ def expected_buckets(module: nn.Module, cap_mb: float | None) -> list[list[nn.Pa
         buckets[-1].append(p)
         used += nbytes
     return buckets
+
+
+class Scrambled(nn.Module):
+    """Registered a, b, c; forward uses c, then b, then a, so backward completes a's
+    gradient first and c's last: with one bucket per parameter (reverse registration:
+    c, b, a) the buckets fill in the order 2, 1, 0. Their sizes differ (12, 20, 10
+    elements), so the order of the all-reduces shows in their sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(5, 2, bias=False)
+        self.b = nn.Linear(4, 5, bias=False)
+        self.c = nn.Linear(3, 4, bias=False)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.a(torch.tanh(self.b(torch.tanh(self.c(x))))), y)
 
 
 def _batch(step: int):
@@ -162,10 +197,12 @@ def _broadcast_part(fns: dict, r: int, n: int) -> str | None:
     torch.manual_seed(100 + r)  # every rank starts different
     model = Net()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    fns["BucketedDDP"](model, bucket_cap_mb=CAPS["several"])
+    ddp = fns["BucketedDDP"](model, bucket_cap_mb=CAPS["several"])
+    _rules.scan_built(ddp, model)
     for k, v in model.state_dict().items():
         everyone = [torch.empty_like(v) for _ in range(n)]
-        dist.all_gather(everyone, v.contiguous())
+        with _rules.exempt():  # the grader's look at every rank, not the learner's code
+            dist.all_gather(everyone, v.contiguous())
         what = "buffer" if k == "gain" else "parameter"
         if not torch.equal(everyone[r], everyone[0]):
             return (f"after construction rank {r}'s {what} {k} differs from rank 0's: "
@@ -186,6 +223,7 @@ def _train_part(cap, fns: dict, r: int, n: int) -> dict:
         if p.requires_grad:  # before the wrapper's hooks: ours fire first
             p.register_post_accumulate_grad_hook(rec.hook(k))
     ddp = fns["BucketedDDP"](model, bucket_cap_mb=cap)
+    _rules.scan_built(ddp, model)
     want_buckets = [sum(p.numel() for p in b) for b in expected_buckets(model, cap)]
     momenta = ({}, {})  # (oracle's, model's)
     per = BATCH // n
@@ -222,8 +260,38 @@ def _train_part(cap, fns: dict, r: int, n: int) -> dict:
     return out
 
 
+def _order_part(fns: dict, r: int, n: int) -> dict:
+    """The all-reduces of two backwards of Scrambled, one bucket per parameter, and the
+    order in which backward filled the buckets."""
+    torch.manual_seed(0)
+    model = Scrambled()
+    rec = _Recorder()
+    for k, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(rec.hook(k))
+    ddp = fns["BucketedDDP"](model, bucket_cap_mb=0)
+    _rules.scan_built(ddp, model)
+    buckets = expected_buckets(model, 0)
+    index = {name: i for i, b in enumerate(buckets) for name, p in model.named_parameters()
+             if any(p is q for q in b)}
+    out = {"buckets": [sum(p.numel() for p in b) for b in buckets], "steps": [], "filled": []}
+    g = torch.Generator().manual_seed(7 + r)
+    for _ in range(2):
+        x, y = torch.randn(4, 3, generator=g), torch.randn(4, 2, generator=g)
+        with rec:
+            rec.events, rec.on = [], True
+            try:
+                ddp(x, y).backward()
+            finally:
+                rec.on = False
+        out["steps"].append([e[1] for e in rec.events if e[0] == "all_reduce"])
+        out["filled"].append([index[e[1]] for e in rec.events if e[0] == "grad"])
+        model.zero_grad(set_to_none=True)
+    return out
+
+
 PARTS = {"broadcast": _broadcast_part,
-         **{name: functools.partial(_train_part, cap) for name, cap in CAPS.items()}}
+         **{name: functools.partial(_train_part, cap) for name, cap in CAPS.items()},
+         "order": _order_part}
 
 _CACHE = H.Cache()
 
@@ -231,7 +299,9 @@ _CACHE = H.Cache()
 def _results(impl) -> dict:
     fns = {"BucketedDDP": impl.BucketedDDP}
     key = (impl.BucketedDDP, WORLD_SIZES, TIMEOUT_S)  # tests change the last two
-    return _CACHE.get(key, lambda: H.run_all(PARTS, fns, WORLD_SIZES, TIMEOUT_S, HANG_HINT))
+    # the launch-order part runs at the first world size only: the order is per rank
+    plan = {n: [p for p in PARTS if p != "order" or n == WORLD_SIZES[0]] for n in WORLD_SIZES}
+    return _CACHE.get(key, lambda: H.run_all(PARTS, fns, plan, TIMEOUT_S, HANG_HINT, RULES))
 
 
 def _part(impl, name, world_sizes=None):
@@ -322,3 +392,128 @@ def _one_per_bucket(impl):
                     assert got == want, (
                         f"{where}: all-reduced {got} elements, in that order; the buckets, in "
                         f"index order, hold {want}: launch bucket k only after buckets 0..k-1")
+
+
+@check("03", points=2, name="launch order: bucket index order, even when backward fills them out of order")
+def _launch_order(impl):
+    for n, per_rank in _part(impl, "order", WORLD_SIZES[:1]):
+        for r, res in enumerate(per_rank):
+            want = res["buckets"]
+            for step, (got, filled) in enumerate(zip(res["steps"], res["filled"])):
+                as_filled = [want[i] for i in dict.fromkeys(filled)]
+                where = (f"a model whose forward uses its layers in another order than it "
+                         f"registers them, one bucket per parameter, on {n} ranks, rank {r}, "
+                         f"step {step}")
+                assert got != as_filled or got == want, (
+                    f"{where}: all_reduce calls of {got} elements, in the order backward "
+                    f"filled the buckets ({filled}); launch them in index order, {want}. Ranks pair "
+                    "collectives by the order they are issued: if another rank's gradients "
+                    "arrive in another order (autograd promises no order; a forward may "
+                    "branch on the data), its all-reduce of bucket 0 meets this rank's of "
+                    "bucket 2: different sizes abort the job, equal sizes silently sum "
+                    "different parameters")
+                assert got == want, (
+                    f"{where}: all_reduce calls of {got} elements, in that order; the buckets, "
+                    f"in index order, hold {want}: one all-reduce per bucket, in index order")
+
+
+class MixedNet(nn.Module):
+    """Layers in float32 and bfloat16 (one flat buffer holds one dtype), a frozen one."""
+
+    def __init__(self):
+        super().__init__()
+        self.l0 = nn.Linear(6, 6)
+        self.l1 = nn.Linear(6, 8).to(torch.bfloat16)
+        self.l2 = nn.Linear(8, 8)
+        self.l2.weight.requires_grad_(False)
+        self.l3 = nn.Linear(8, 4).to(torch.bfloat16)
+        self.l4 = nn.Linear(4, 4)
+
+
+def _expected_by_dtype(module, cap_mb):
+    order = [p for p in reversed(list(module.parameters())) if p.requires_grad]
+    out = []
+    for dtype in dict.fromkeys(p.dtype for p in order):
+        # expected_buckets' rule on this dtype's parameters alone
+        only = nn.Module()
+        only.params = nn.ParameterList([p for p in reversed(order) if p.dtype == dtype])
+        out += expected_buckets(only, cap_mb)
+    return out
+
+
+@check("03", points=2, name="find the bug: bucket_by_dtype gives the same buckets on every rank, every run")
+def _bucket_by_dtype(impl):
+    # Each build makes new parameter objects at new addresses, as each rank and each run
+    # does: buckets that depend on addresses differ from one build to the next.
+    for build in range(6):
+        model = MixedNet()
+        label = _names(model)
+        for cap in (None, 0, 200 / 2 ** 20):
+            got = impl.bucket_by_dtype(model, cap)
+            show = lambda bs: [[label.get(id(p), "?") for p in b] for b in bs]  # noqa: E731
+            want = show(_expected_by_dtype(model, cap))
+            assert show(got) == want, (
+                f"build {build} of the model, bucket_cap_mb={cap}: got buckets {show(got)}, "
+                f"want {want} (per dtype in order of first appearance, in reverse "
+                "registration order). Buckets that change from one build of the same model "
+                "to the next change from one rank to the next too: ranks would pair "
+                "different buckets")
+
+
+HINTS = {
+    "_make_buckets": [
+        "module.parameters() yields each parameter once (a tied weight too), in "
+        "registration order: reverse it and keep those with requires_grad.",
+        "Keep a running byte count of the current bucket (p.numel() * p.element_size()); "
+        "start a new bucket when count + the next parameter's bytes > bucket_cap_mb * 2**20 "
+        "(None: float('inf')) and the current bucket is not empty.",
+    ],
+    "_construction": [
+        "In __init__, before anything else: for every parameter and buffer, "
+        "dist.broadcast(t.data, src=0) inside torch.no_grad(). Buffers too: the grader's "
+        "model has one.",
+    ],
+    "_several": [
+        "State to keep: self.buckets = make_buckets(...); per bucket a flat buffer "
+        "(torch.zeros of its total numel, the parameters' dtype) and per parameter a view of "
+        "it (buffer[offset:offset + numel].view_as(p)); a map from a parameter to (bucket "
+        "index, position); per bucket the set of positions ready and its work (None until "
+        "launched); the next bucket to launch; whether this backward's callback is queued.",
+        "The hook: queue self._end_of_backward once per backward "
+        "(torch.autograd.Variable._execution_engine.queue_callback), copy p.grad into its "
+        "view under torch.no_grad(), mark it ready, then launch what is full and next in line.",
+        "_end_of_backward: launch the buckets not yet launched (in order), then per bucket "
+        "work.wait(), buffer.div_(dist.get_world_size()) (all-reduce sums; the average is "
+        "wanted) and copy each view into p.grad; clear the ready sets, works and counters "
+        "for the next backward.",
+    ],
+    "_extremes": [
+        "bucket_cap_mb=None is one bucket of everything; 0 is one bucket per parameter. "
+        "If only these fail, look at how your buckets are cut and how the last bucket is "
+        "launched at the end of backward.",
+    ],
+    "_overlap": [
+        "Launch a bucket's all-reduce from the hook that completes it, not at the end of "
+        "backward: work = dist.all_reduce(buffer, async_op=True) returns at once.",
+        "async_op=True, then wait() on every work in _end_of_backward: a synchronous "
+        "all-reduce in a hook stops backward until the bucket is summed.",
+    ],
+    "_one_per_bucket": [
+        "One all-reduce per bucket per backward, of the bucket's flat buffer (not one per "
+        "parameter, not the whole model at the end).",
+    ],
+    "_launch_order": [
+        "Gradients may complete in another order than the buckets assume. Keep the index "
+        "of the next bucket to launch, and after each hook launch buckets only while the "
+        "next one in line is full.",
+        "while self.next < len(buckets) and bucket self.next has all its parameters ready: "
+        "launch it, self.next += 1. A full bucket further on waits for the ones before it.",
+    ],
+    "_bucket_by_dtype": [
+        "Run it twice on two fresh copies of the same model and compare: does anything in "
+        "it depend on where the parameters live in memory?",
+        "A Python set of objects without their own hash iterates in the order of their "
+        "addresses, different on every rank and run. Keep the parameters in a list, in "
+        "reverse registration order (module.parameters() already yields a tied weight once).",
+    ],
+}

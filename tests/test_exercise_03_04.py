@@ -9,6 +9,7 @@ name.
 """
 
 import contextlib
+import importlib
 import time
 
 import pytest
@@ -19,6 +20,8 @@ import torch.nn as nn
 from exercises import checks_03 as C3
 from exercises import grade as G
 from minidist.ddp import DDP, allreduce_gradients_naive, broadcast_module
+
+EX3 = importlib.import_module("exercises.03_data_parallel")
 
 
 # =====================================================================  exercise 03
@@ -37,6 +40,22 @@ def plain_make_buckets(module, bucket_cap_mb):
             buckets.append([p])
             used = nbytes
     return buckets
+
+
+def plain_bucket_by_dtype(module, bucket_cap_mb):
+    # the shipped version with its set replaced by a list in reverse registration order
+    by_dtype = {}
+    for p in reversed([p for p in module.parameters() if p.requires_grad]):
+        by_dtype.setdefault(p.dtype, []).append(p)
+    return [b for params in by_dtype.values() for b in plain_make_buckets(_Listed(params), bucket_cap_mb)]
+
+
+class _Listed:
+    def __init__(self, params):
+        self.params = params
+
+    def parameters(self):  # plain_make_buckets reverses: hand it registration order
+        return reversed(self.params)
 
 
 class PlainDDP(nn.Module):
@@ -168,6 +187,42 @@ class _Reversed:
         return reversed(list(self.module.parameters()))
 
 
+# -- 5b. each bucket launched as soon as it fills, in whatever order backward fills them:
+#        right numbers on one machine, but ranks may pair different buckets
+
+class AsFilledDDP(DDP):
+    def _launch_ready(self):
+        for bucket in self.buckets:
+            if bucket.work is None and len(bucket.ready) == len(bucket.params):
+                bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
+        self._next = len(self.buckets) if all(b.work is not None for b in self.buckets) else 0
+
+
+# -- 5c. torch's DistributedDataParallel inside: its C++ reducer bypasses any Python
+#        patch of the collectives, so the grader looks at what is built
+
+class TorchDDP(nn.Module):
+    def __init__(self, module, bucket_cap_mb=25.0):
+        super().__init__()
+        self.module = module
+        self.ddp = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb or 25.0)
+
+    def forward(self, *args, **kwargs):
+        return self.ddp(*args, **kwargs)
+
+
+# -- 5d. the all-reduces right, the broadcast done with all_gather (a collective not allowed)
+
+class GatherBroadcastDDP(DDP):
+    def __init__(self, module, bucket_cap_mb=25.0):
+        with torch.no_grad():
+            for t in list(module.parameters()) + list(module.buffers()):
+                everyone = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+                dist.all_gather(everyone, t.data.contiguous())
+                t.data.copy_(everyone[0])
+        super().__init__(module, bucket_cap_mb)
+
+
 # -- 6. a hang: each rank waits for a message that nobody sends (gloo's timeout ends it)
 
 class WaitsForeverDDP(DDP):
@@ -180,7 +235,8 @@ class WaitsForeverDDP(DDP):
 
 # The checks of exercise 03, by a word of their names.
 CHECK3 = {"buckets": "make_buckets", "construction": "construction", "several": "several buckets",
-          "extremes": "one per parameter", "overlap": "overlap", "count": "one all_reduce per bucket"}
+          "extremes": "one per parameter", "overlap": "overlap", "count": "one all_reduce per bucket",
+          "order": "launch order", "dtype": "find the bug"}
 
 MISTAKES3 = {
     # name: (overrides, checks that must fail, a phrase each failure message contains)
@@ -188,8 +244,19 @@ MISTAKES3 = {
     "all-reduce after backward only": (dict(BucketedDDP=AfterBackwardDDP), {"overlap"}, "none overlapped"),
     "synchronous all-reduce in the hooks": (dict(BucketedDDP=BlockingDDP), {"overlap"}, "synchronous"),
     "one all-reduce per parameter, after backward": (
-        dict(BucketedDDP=PerParameterDDP), {"overlap", "count"}, "all_reduce"),
+        dict(BucketedDDP=PerParameterDDP), {"overlap", "count", "order"}, "all_reduce"),
     "buckets not reversed": (dict(make_buckets=unreversed_make_buckets), {"buckets"}, "reverse registration order"),
+    "buckets launched as they fill": (dict(BucketedDDP=AsFilledDDP), {"order"}, "Ranks pair collectives"),
+    "torch's DDP inside": (dict(BucketedDDP=TorchDDP),
+                           {"construction", "several", "extremes", "overlap", "count", "order"},
+                           "DistributedDataParallel was called, which this exercise forbids"),
+    "all_gather for the broadcast": (
+        dict(BucketedDDP=GatherBroadcastDDP),
+        {"construction", "several", "extremes", "overlap", "count", "order"},
+        "dist.all_gather (ProcessGroup.allgather) was called, which this exercise forbids"),
+    "bucket_by_dtype as shipped (a set)": (
+        dict(bucket_by_dtype=EX3.bucket_by_dtype),
+        {"dtype"}, "ranks would pair different buckets"),
 }
 
 
@@ -205,7 +272,8 @@ def two_ranks(monkeypatch):
 
 def test_03_a_plain_solution_scores_full():
     # on 2 and 3 ranks, as the grader runs it for a student
-    r = G.grade("03", overrides=dict(make_buckets=plain_make_buckets, BucketedDDP=PlainDDP))
+    r = G.grade("03", overrides=dict(make_buckets=plain_make_buckets, BucketedDDP=PlainDDP,
+                                     bucket_by_dtype=plain_bucket_by_dtype))
     assert r.points == r.max_points, {c.name: c.message for c in r.checks if not c.ok}
 
 
@@ -227,10 +295,14 @@ def test_03_a_hang_fails_its_checks_within_the_timeout(two_ranks, monkeypatch):
     which, messages = _failed(r, CHECK3)
     # construction and make_buckets keep their points; the first training part hangs,
     # the parts after it are not run
-    assert which == {"several", "extremes", "overlap", "count"}, messages
+    assert which == {"several", "extremes", "overlap", "count", "order"}, messages
     assert "timed out" in messages[next(n for n in messages if CHECK3["several"] in n)]
     assert all("timed out" in m or "hung" in m for m in messages.values()), messages
     assert time.monotonic() - t0 < 4 + 60
+
+
+def test_03_every_check_has_hints():
+    assert all(G.hints_of("03", c) for c in G.checks_of("03"))
 
 
 def test_03_results_are_cached_per_implementation(two_ranks, monkeypatch):
