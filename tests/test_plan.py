@@ -95,3 +95,12 @@ def test_auto_flags_run_the_planned_configuration(tmp_path, pool):
         assert (a["zero_stage"], a["grad_accum_steps"]) == (choice.stage, choice.accum)
         assert a["activation_checkpointing"] == ("blocks" if choice.checkpointed else "none")
         assert s["val_loss"] == pytest.approx(runs[0]["val_loss"])
+
+
+def test_auto_flags_with_a_budget_nothing_fits_fail_before_any_work(capsys):
+    from minidist.flags import build_parser, resolve_args
+    argv = TINY + ["--zero-stage", "auto", "--memory-budget-gb", "1e-6", "--out-dir", "unused"]
+    with pytest.raises(SystemExit):
+        resolve_args(build_parser().parse_args(argv), 2)
+    err = capsys.readouterr().err
+    assert "the planner: nothing fits" in err and "needs" in err
