@@ -85,7 +85,8 @@ def test_09_torch_checkpoint_scores_zero(fn):
     r = _grade(fn)
     assert r.points == 0
     assert all("torch.utils.checkpoint is the oracle" in c.message for c in r.checks)
-    assert torch_checkpoint.checkpoint(lambda t: t * 2, torch.ones(1, requires_grad=True)).item() == 2  # restored
+    x = torch.ones(1, requires_grad=True)
+    assert torch_checkpoint.checkpoint(lambda t: t * 2, x, use_reentrant=False).item() == 2  # restored
 
 
 @pytest.mark.parametrize("mistake", list(MISTAKES))
