@@ -88,14 +88,19 @@ with AdamW and with SGD with momentum, and compares with one process training on
 whole batch (float32: equal up to rounding), and with torch's ZeroRedundancyOptimizer.
 It measures what each rank holds (the inner optimizer's state, the gradients left after
 backward and after step, the full gradients alive while backward runs) and counts the
-bytes sent with collectives="minidist". Grade your work with
+bytes sent with collectives="minidist".
 
-    python -m exercises.grade 06
+Rules enforced in every graded part (a part that breaks one scores 0): no
+torch.distributed.optim.ZeroRedundancyOptimizer, no FSDP (fully_shard,
+FullyShardedDataParallel) and no torch.nn.parallel.DistributedDataParallel, anywhere in
+what you build: the sharding is yours to write.
 
-(it starts 2 and 3 processes on this machine; allow a minute), and see what full marks
-look like with `python -m exercises.grade 06 --reference`, which grades minidist's own
-implementation (named in REFERENCE below) instead of yours. A rank that waits more than
-20 seconds for the others (a hang) fails its check.
+Grade your work with `python -m exercises.grade 06` (about 30 s on a quiet 2-core machine:
+it starts 2 and 3 processes), ask for a hint on the first failing check with
+`python -m exercises.grade 06 --hint` (again for the next one, `--hint K` for the K-th),
+and see what full marks look like with `python -m exercises.grade 06 --reference`. A rank
+that waits more than 20 seconds for the others (a hang) fails its check. Chapter 06
+(chapters/06_zero.md), sections 2 and 3, explains the two stages; section 6 the layout.
 
 To experiment, run a function of your own on several processes with
 `minidist.launch.launch(fn, 2, *args)`: it returns each rank's return value and re-raises
@@ -182,39 +187,29 @@ class ShardedOptimizer:
         """The inner optimizer's param groups: for group i, views of this rank's shards
         (with their .grad linked to u.grad_shard) and the group's other settings."""
         raise NotImplementedError(
-            "_shard_param_groups: for each group i, views = []; for u in self.units: if i "
-            "in u.ranges: a, b = u.ranges[i]; v = u.shard[a:b]; v.grad = u.grad_shard[a:b]; "
-            "views.append(v). No view: views = [torch.zeros(0)] with .grad = torch.zeros(0). "
-            "Return [{**settings of group i except 'params', 'params': views}, ...]")
+            "_shard_param_groups is not written yet (`python -m exercises.grade 06 --hint` gives a hint)")
 
     def _take_local_gradients(self) -> None:
         """ZeroRedundancyOptimizer's contract: p.grad is already averaged over ranks;
         put this rank's slice of it into the gradient shards."""
         raise NotImplementedError(
-            "_take_local_gradients: for u in self.units: "
-            "u.grad_shard.copy_(u.flat_grads()[u.lo:u.hi])")
+            "_take_local_gradients is not written yet (`python -m exercises.grade 06 --hint` gives a hint)")
 
     def _all_gather(self, out: torch.Tensor, inp: torch.Tensor):
         """Every rank's `inp` into `out` (N times as long); return the work to wait for,
         or None when nothing is left to wait for."""
         raise NotImplementedError(
-            "_all_gather: collectives 'minidist': comm.all_gather(out, inp.clone()) (inp is "
-            "a view into out: gather from a copy) and return None; 'torch': return "
-            "dist.all_gather_single(out, inp, group=self.group, async_op=True)")
+            "_all_gather is not written yet (`python -m exercises.grade 06 --hint` gives a hint)")
 
     @torch.no_grad()
     def step(self, closure=None):
         """Step this rank's shard, then all-gather every unit's parameters."""
         raise NotImplementedError(
-            "step: loss = closure() if closure else None; if not self.reduce_gradients: "
-            "self._take_local_gradients(); self.optim.step(); works = "
-            "[self._all_gather(u.flat, u.shard) for u in self.units]; wait() for each work "
-            "that is not None; return loss")
+            "step is not written yet (`python -m exercises.grade 06 --hint` gives a hint)")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         raise NotImplementedError(
-            "zero_grad: for u in self.units: u.grad_shard.zero_() (in place: the inner "
-            "optimizer's .grad views point into it) and p.grad = None for p in u.params")
+            "zero_grad is not written yet (`python -m exercises.grade 06 --hint` gives a hint)")
 
     # ------------------------------------------------------------------ part 2: ZeRO-2
 
@@ -222,42 +217,31 @@ class ShardedOptimizer:
         """`out` = this rank's block of `inp` AVERAGED over ranks; return the work to
         wait for, or None when nothing is left to wait for."""
         raise NotImplementedError(
-            "_reduce_scatter: 'minidist': comm.reduce_scatter(out, inp, op='avg') and return "
-            "None; 'torch': return dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.AVG, "
-            "group=self.group, async_op=True)")
+            "_reduce_scatter is not written yet (`python -m exercises.grade 06 --hint` gives a hint)")
 
     def _on_grad(self, p: torch.Tensor) -> None:
         """The hook: p.grad is complete (once per backward, tied weights included)."""
         raise NotImplementedError(
-            "_on_grad: return at once if self._no_sync; on the first hook of a backward "
-            "queue self._end_of_backward (torch.autograd.Variable._execution_engine."
-            "queue_callback) and set self._queued; u = self._unit_of[p]; u.ready += 1; at "
-            "stage 2, when u.ready == len(u.params): self._reduce(u)")
+            "_on_grad is not written yet (`python -m exercises.grade 06 --hint` gives a hint)")
 
     @torch.no_grad()
     def _reduce(self, u: _Unit) -> None:
         """Start the reduce-scatter of unit u's gradients; free its full gradients."""
         raise NotImplementedError(
-            "_reduce: flat = u.flat_grads(); p.grad = None for p in u.params; out = "
-            "torch.empty_like(u.grad_shard); work = self._reduce_scatter(out, flat); "
-            "self._pending.append((u, out, work))")
+            "_reduce is not written yet (`python -m exercises.grade 06 --hint` gives a hint)")
 
     @torch.no_grad()
     def _end_of_backward(self) -> None:
         """The callback, once backward is done: reduce what is left, then finish."""
         raise NotImplementedError(
-            "_end_of_backward: for u in self.units (in order, the same on every rank): if "
-            "stage 1, or u.ready < len(u.params) (not reduced yet): self._reduce(u); then "
-            "self.finish_gradient_synchronization()")
+            "_end_of_backward is not written yet (`python -m exercises.grade 06 --hint` gives a hint)")
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
         """Wait for the reduce-scatters in flight, add their results into the gradient
         shards, and reset for the next backward."""
         raise NotImplementedError(
-            "finish_gradient_synchronization: for u, out, work in self._pending: wait() if "
-            "work is not None; u.grad_shard += out. Then clear self._pending, u.ready = 0 "
-            "for every unit, self._queued = False")
+            "finish_gradient_synchronization is not written yet (`python -m exercises.grade 06 --hint` gives a hint)")
 
     # ------------------------------------------------------------------ written for you
 

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from exercises import _harness as H
+from exercises import _rules
 from exercises.grade import check
 
 WORLD_SIZES = (2, 3)
@@ -217,6 +218,7 @@ def _train_part(name: str, fns, r: int, n: int) -> dict:
     opt = fns["ShardedOptimizer"](_groups(model, s["opt"]), cls, stage=s["stage"],
                                   reduce_gradients=s["reduce"], bucket_cap_mb=CAP_MB,
                                   collectives=s["collectives"], **OPTIMIZERS[s["opt"]][1])
+    _rules.scan_built(model, opt)
     out = {"after_backward": [], "grad_bytes": None}
     per = B // n
     m = per // s["accum"]
@@ -244,6 +246,14 @@ def _train_part(name: str, fns, r: int, n: int) -> dict:
     return out
 
 
+# The exercise's rules, watched in every part while the learner's code runs
+# (exercises/_rules.py); torch's ZeroRedundancyOptimizer, the grader's oracle, runs exempt.
+_YOURS = "the sharding is yours to write: no torch ZeRO, FSDP or DDP in exercise 06"
+RULES = _rules.Rules(apis={"torch.distributed.optim.ZeroRedundancyOptimizer": _YOURS,
+                           _rules.TORCH_DDP: _YOURS,
+                           **{name: _YOURS for name in _rules.TORCH_FSDP}})
+
+
 def _zero_redundancy_part(fns, r: int, n: int) -> dict:
     """Ours and torch's ZeroRedundancyOptimizer on the same model and data: the whole
     batch on every rank (so the gradients are "averaged" already), a plain parameter list."""
@@ -254,12 +264,15 @@ def _zero_redundancy_part(fns, r: int, n: int) -> dict:
         model = _model()
         trainable = [p for p in model.parameters() if p.requires_grad]
         cls = ZeroRedundancyOptimizer if who == "torch" else fns["ShardedOptimizer"]
-        opt = cls(trainable, _fast("AdamW"), **OPTIMIZERS["adamw"][1])
-        for step in range(STEPS):
-            x, y = _batch(step)
-            model(x, y)[1].backward()
-            opt.step()
-            opt.zero_grad()
+        with _rules.exempt() if who == "torch" else contextlib.nullcontext():
+            opt = cls(trainable, _fast("AdamW"), **OPTIMIZERS["adamw"][1])
+            for step in range(STEPS):
+                x, y = _batch(step)
+                model(x, y)[1].backward()
+                opt.step()
+                opt.zero_grad()
+        if who == "ours":
+            _rules.scan_built(model, opt)
         out[who] = [p.detach().clone() for p in model.parameters()]
     return out
 
@@ -307,7 +320,7 @@ def _results(impl) -> dict:
         if hint is not None:
             return {(p, n): ("notimpl", hint) for n, parts in plan.items() for p in parts}
         return H.run_all(PARTS, {"ShardedOptimizer": impl.ShardedOptimizer}, plan, TIMEOUT_S,
-                         HANG_HINT)
+                         HANG_HINT, RULES)
     return _CACHE.get((impl.ShardedOptimizer, WORLD_SIZES, TIMEOUT_S), compute)  # tests change the last two
 
 
@@ -513,3 +526,79 @@ def _bytes(impl):
                     f"{where}: sent {got} bytes; want {want}: each collective moves "
                     f"4 x padded x (N-1)/N = 4 x {lay['padded']} x {n - 1}/{n} bytes per "
                     f"step{hint}")
+
+
+# Tiered hints, shown one at a time by `python -m exercises.grade 06 --hint`: first what to
+# look at, then one method at a time, in the order the grader's parts call them.
+HINTS = {
+    "_zero1": [
+        "Part 1 first. The inner optimizer must only ever see this rank's shard: its param "
+        "groups are views into u.shard (one per unit that holds elements of the group), and "
+        "each view's .grad is the matching view of u.grad_shard, set once in __init__.",
+        '_shard_param_groups: for each group i, views = []; for u in self.units: if i '
+        'in u.ranges: a, b = u.ranges[i]; v = u.shard[a:b]; v.grad = u.grad_shard[a:b];'
+        ' views.append(v). No view: views = [torch.zeros(0)] with .grad = '
+        "torch.zeros(0). Return [{**settings of group i except 'params', 'params': "
+        'views}, ...]',
+        '_take_local_gradients: for u in self.units: '
+        'u.grad_shard.copy_(u.flat_grads()[u.lo:u.hi])',
+        'step: loss = closure() if closure else None; if not self.reduce_gradients: '
+        'self._take_local_gradients(); self.optim.step(); works = '
+        '[self._all_gather(u.flat, u.shard) for u in self.units]; wait() for each work '
+        'that is not None; return loss',
+        'zero_grad: for u in self.units: u.grad_shard.zero_() (in place: the inner '
+        "optimizer's .grad views point into it) and p.grad = None for p in u.params",
+        "_all_gather: collectives 'minidist': comm.all_gather(out, inp.clone()) (inp is"
+        " a view into out: gather from a copy) and return None; 'torch': return "
+        'dist.all_gather_single(out, inp, group=self.group, async_op=True)',
+    ],
+    "_zero_redundancy": [
+        "ZeroRedundancyOptimizer's contract: p.grad is already averaged when step() runs; "
+        "step copies this rank's slice of it into the shards, steps, and all-gathers. If "
+        "the ZeRO-1 check passes and this one fails, compare your step with the contract.",
+    ],
+    "_state_memory": [
+        "The inner optimizer's state follows its parameters: build it on views of the "
+        "shards only (u.shard[a:b]), never on the model's parameters, or AdamW keeps its "
+        "moments for the whole model on every rank.",
+    ],
+    "_zero1_reduce": [
+        "Part 2. Reducing a unit: its full local gradients flattened (u.flat_grads()), freed "
+        "(p.grad = None), and a reduce-scatter that AVERAGES into a new tensor shaped like "
+        "u.grad_shard; the results are added (+=) into u.grad_shard at the end of backward.",
+        "_reduce_scatter: 'minidist': comm.reduce_scatter(out, inp, op='avg') and "
+        "return None; 'torch': return dist.reduce_scatter_single(out, inp, "
+        'op=dist.ReduceOp.AVG, group=self.group, async_op=True)',
+        '_on_grad: return at once if self._no_sync; on the first hook of a backward '
+        'queue self._end_of_backward '
+        '(torch.autograd.Variable._execution_engine.queue_callback) and set '
+        'self._queued; u = self._unit_of[p]; u.ready += 1; at stage 2, when u.ready == '
+        'len(u.params): self._reduce(u)',
+        '_reduce: flat = u.flat_grads(); p.grad = None for p in u.params; out = '
+        'torch.empty_like(u.grad_shard); work = self._reduce_scatter(out, flat); '
+        'self._pending.append((u, out, work))',
+        '_end_of_backward: for u in self.units (in order, the same on every rank): if '
+        'stage 1, or u.ready < len(u.params) (not reduced yet): self._reduce(u); then '
+        'self.finish_gradient_synchronization()',
+        'finish_gradient_synchronization: for u, out, work in self._pending: wait() if '
+        'work is not None; u.grad_shard += out. Then clear self._pending, u.ready = 0 '
+        'for every unit, self._queued = False',
+    ],
+    "_zero2": [
+        "Stage 2 reduces a unit from the hook that completes its last gradient, during "
+        "backward; at the end of backward, reduce any unit that is not complete (a "
+        "parameter without a gradient), in unit order, the same on every rank.",
+        "With accumulation stage 2 reduces every micro-step: each reduce-scatter's result "
+        "must ADD into u.grad_shard (+=), or only the last micro-batch's gradient is left; "
+        "zero_grad is what empties it.",
+    ],
+    "_grad_memory": [
+        "Free the full-size gradients as soon as a unit is reduced (p.grad = None for its "
+        "parameters); after step only the shards, 4 bytes x padded/N per rank, remain.",
+    ],
+    "_bytes": [
+        "collectives='minidist' must send everything through minidist.comm's reduce_scatter "
+        "and all_gather (the ring, which counts its bytes): one reduce-scatter and one "
+        "all-gather per unit per step, nothing else.",
+    ],
+}

@@ -188,6 +188,17 @@ class IgnoresNoSync(Plain):  # stage 1 reduces every micro-step: right sums, twi
         super()._on_grad(p)
 
 
+class DelegatesToTorch(Plain):  # stage 1's contract handed to torch's ZeroRedundancyOptimizer
+    def __init__(self, params, optimizer_class, group=None, stage=1, reduce_gradients=False,
+                 **kwargs):
+        params = list(params)
+        super().__init__(params, optimizer_class, group, stage, reduce_gradients, **kwargs)
+        if stage == 1 and not reduce_gradients:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            self._torch = ZeroRedundancyOptimizer([p for u in self.units for p in u.params],
+                                                  optimizer_class)
+
+
 # The checks of exercise 06, by a word of their names.
 CHECK6 = {"zero1": "gradients averaged beforehand", "torch": "ZeroRedundancyOptimizer (2 ranks",
           "state": "optimizer state", "reduce": "reduce_gradients=True", "zero2": "ZeRO-2 (reduce",
@@ -204,6 +215,9 @@ MISTAKES6 = {
     "inner optimizer on the full parameters": (FullInner, {"state"}, "whole model"),
     "empty group left out": (NoPlaceholder, {"zero1"}, "placeholder"),
     "stage 1 ignores no_sync": (IgnoresNoSync, {"bytes"}, "no_sync"),
+    "torch's ZeroRedundancyOptimizer inside": (
+        DelegatesToTorch, {"zero1", "torch", "state"},
+        "ZeroRedundancyOptimizer was called, which this exercise forbids"),
 }
 SOLUTIONS = {"plain": Plain, **{k: v[0] for k, v in MISTAKES6.items()}}
 
@@ -220,7 +234,7 @@ def shared():
     for label, cls in SOLUTIONS.items():
         parts.update({f"{label}|{p}": functools.partial(_on_ranks, cls, p)
                       for p in C6.PLAN[2] if p != "oracle"})
-    return C6.H.run_all(parts, {}, {2: list(parts)}, C6.TIMEOUT_S, C6.HANG_HINT)
+    return C6.H.run_all(parts, {}, {2: list(parts)}, C6.TIMEOUT_S, C6.HANG_HINT, C6.RULES)
 
 
 def _grade(label, shared, monkeypatch):
@@ -282,3 +296,7 @@ def test_06_the_layout_written_out_is_minidists():
             assert sum(b - a for u in opt.units for a, b in u.ranges.values()) == lay["owned"][r]
             held.append({g for u in opt.units for g in u.ranges})
         assert any(2 not in groups for groups in held)  # a rank needs a placeholder group
+
+
+def test_06_every_check_has_hints():
+    assert all(G.hints_of("06", c) for c in G.checks_of("06"))
