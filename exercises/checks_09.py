@@ -17,63 +17,33 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.utils.checkpoint as torch_checkpoint
 
+from exercises import _rules
 from exercises.grade import check
 from minidist.memory import count_saved_bytes
 from minidist.model import GPT, GPTConfig
 
 B, T, D, V = 3, 16, 32, 64
-TRIPPED = "torch.utils.checkpoint is the oracle here, not a building block: write the Function yourself"
-# what torch.utils.checkpoint's public functions call, looked up by name when they run: a
-# solution that imported `checkpoint` before grading still goes through one of these
-ENTRY_POINTS = ("checkpoint", "checkpoint_sequential", "CheckpointFunction",
-                "_checkpoint_without_reentrant_generator")
-
-
-# tiered hints, gentlest first (python -m exercises.grade 09 --hint), by check function
-HINTS = {
-    "check_gradients": [
-        "Pass the block's parameters to apply as inputs: F.apply(fn, x, *fn.__self__.parameters()); "
-        "backward then returns one gradient per input of forward (None for fn).",
-        "backward: x = x.detach().requires_grad_(); with torch.enable_grad(): y = ctx.fn(x); "
-        "grads = torch.autograd.grad(y, [x, *params], grad_y, allow_unused=True); "
-        "return (None, *grads).",
-    ],
-    "check_saved_bytes": [
-        "Inside Function.forward autograd is off, so fn(x) records no graph; "
-        "ctx.save_for_backward(x) is then the only thing kept.",
-        "Calling fn(x) outside a Function, or saving fn's output or intermediates, keeps them all.",
-    ],
-    "check_dropout": [
-        "In forward: ctx.rng = torch.get_rng_state() (and torch.cuda.get_rng_state(x.device) on a GPU).",
-        "In backward: with torch.random.fork_rng(): torch.set_rng_state(ctx.rng); then recompute. "
-        "fork_rng puts the run's own stream back afterwards.",
-    ],
-    "check_autocast": [
-        "Backward runs outside the forward's torch.autocast block: record the state in forward.",
-        "kind = x.device.type; ctx.amp = (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)); "
-        "in backward: with torch.autocast(kind, dtype=dtype, enabled=on): recompute.",
-    ],
-}
-
-
-class _Tripped(AssertionError):
-    pass
+RULE = "torch.utils.checkpoint is the oracle here, not a building block: write the Function yourself"
+# its public functions, and what they call (looked up by name when they run); a solution
+# that imported `checkpoint` before grading trips as well (exercises/_rules.py patches the
+# function's code object)
+RULES = _rules.Rules(apis={f"torch.utils.checkpoint.{name}": RULE for name in (
+    "checkpoint", "checkpoint_sequential", "_checkpoint_without_reentrant_generator")})
 
 
 @contextlib.contextmanager
 def _forbid_torch_checkpoint():
-    def tripwire(*args, **kwargs):
-        raise _Tripped(TRIPPED)
-    saved = {n: getattr(torch_checkpoint, n) for n in ENTRY_POINTS if hasattr(torch_checkpoint, n)}
-    for n in saved:
-        setattr(torch_checkpoint, n, tripwire)
-    try:
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(torch_checkpoint, n, f)
+    """The learner's code runs here; a call of torch.utils.checkpoint fails the check,
+    even when the solution catches the exception."""
+    with _rules.watching(RULES) as w:
+        try:
+            yield
+        except Exception:
+            if not w.broken:
+                raise
+    if w.broken:
+        raise AssertionError(w.broken[0])
 
 
 def _model(dropout: float = 0.0) -> GPT:

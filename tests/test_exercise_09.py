@@ -80,11 +80,19 @@ def test_09_a_plain_solution_scores_full():
     assert r.points == r.max_points, {c.name: c.message for c in r.checks if not c.ok}
 
 
-@pytest.mark.parametrize("fn", [_uses_torch, _uses_torch_imported_early], ids=["module", "imported"])
+def _tries_torch_then_its_own(fn, x):  # swallows the tripwire: still caught
+    try:
+        return torch_checkpoint.checkpoint(fn, x, use_reentrant=False)
+    except Exception:
+        return _solution()(fn, x)
+
+
+@pytest.mark.parametrize("fn", [_uses_torch, _uses_torch_imported_early, _tries_torch_then_its_own],
+                         ids=["module", "imported", "swallowed"])
 def test_09_torch_checkpoint_scores_zero(fn):
     r = _grade(fn)
     assert r.points == 0
-    assert all("torch.utils.checkpoint is the oracle" in c.message for c in r.checks)
+    assert all("torch.utils.checkpoint is the oracle" in c.message and "forbids" in c.message for c in r.checks)
     x = torch.ones(1, requires_grad=True)
     assert torch_checkpoint.checkpoint(lambda t: t * 2, x, use_reentrant=False).item() == 2  # restored
 
