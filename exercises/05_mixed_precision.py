@@ -68,13 +68,17 @@ hundred steps: the same S after every step, the same steps skipped, the same uns
 gradients and parameters. It checks growth stopping at float32's maximum, hysteresis 2
 and 3 against the rule above, min_scale, a state_dict round trip through torch.save,
 and, on 2 ranks, that both skip when only one of them overflows. Every factor is a power
-of two, so every comparison is exact. Grade your work with
+of two, so every comparison is exact.
 
-    python -m exercises.grade 05
+Rule enforced in every check (a check that breaks it scores 0): no torch.amp.GradScaler
+(nor torch.cuda.amp's) in what you write; it is the grader's oracle.
 
-(it starts 2 processes once on this machine), and see what full marks look like with
-`python -m exercises.grade 05 --reference`, which grades minidist's own implementation
-(named in REFERENCE below) instead of yours. To experiment, compare with GradScaler:
+Find the bug: unscale_shards, at the end of the file, is shipped code with a bug; fix it.
+
+Grade your work with `python -m exercises.grade 05` (about 10 s on a quiet 2-core
+machine: it starts 2 processes once), ask for a hint on the first failing check with
+`python -m exercises.grade 05 --hint` (again for the next one, `--hint K` for the K-th),
+and see what full marks look like with `python -m exercises.grade 05 --reference`. To experiment, compare with GradScaler:
 `torch.amp.GradScaler("cpu", init_scale=..., growth_interval=...)` takes the same calls
 (call its scale() once before its first unscale_, which sets it up).
 """
@@ -103,61 +107,65 @@ class LossScaler:
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval, self.hysteresis, self.min_scale = growth_interval, hysteresis, min_scale
         raise NotImplementedError(
-            "LossScaler.__init__: keep the scale (float(init_scale)), the growth tracker and "
-            "the overflow streak (both 0), and this step's verdict (None until unscale_ "
-            "decides it) and whether unscale_ ran; then delete this raise and implement "
-            "the methods below")
+            "LossScaler.__init__ is not written yet (`python -m exercises.grade 05 --hint` gives a hint)")
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """loss * S."""
-        raise NotImplementedError("scale: return loss * S (S a Python float keeps loss's dtype)")
+        raise NotImplementedError(
+            "scale is not written yet (`python -m exercises.grade 05 --hint` gives a hint)")
 
     def get_scale(self) -> float:
         """The current S, a Python float."""
-        raise NotImplementedError("get_scale: return the current scale as a Python float")
+        raise NotImplementedError(
+            "get_scale is not written yet (`python -m exercises.grade 05 --hint` gives a hint)")
 
     @torch.no_grad()
     def unscale_(self, optimizer) -> None:
         """Divide the optimizer's gradients by S in place; decide this step's verdict,
         the same on every rank."""
         raise NotImplementedError(
-            "unscale_: grads = [p.grad for g in optimizer.param_groups for p in g['params'] "
-            "if p.grad is not None]; g.div_(S) for each (or torch._foreach_mul_(grads, 1 / S)); "
-            "flag = torch.tensor([0. if all(torch.isfinite(g).all() for g in grads) else 1.]); "
-            "if dist.is_initialized() and dist.get_world_size() > 1: "
-            "dist.all_reduce(flag, op=dist.ReduceOp.MAX); remember bool(flag.item())")
+            "unscale_ is not written yet (`python -m exercises.grade 05 --hint` gives a hint)")
 
     def step(self, optimizer):
         """optimizer.step() unless this step's gradients overflowed (on any rank)."""
         raise NotImplementedError(
-            "step: call self.unscale_(optimizer) unless it already ran this step; then "
-            "return optimizer.step() if the verdict is clean, else return None without "
-            "touching the optimizer")
+            "step is not written yet (`python -m exercises.grade 05 --hint` gives a hint)")
 
     def update(self) -> None:
         """Back off or grow S, by the rules above; forget this step's verdict."""
         raise NotImplementedError(
-            "update: on overflow, streak += 1 and tracker = 0, and once streak >= hysteresis "
-            "raise FloatingPointError if S <= min_scale (say what to try), else "
-            "S = max(S * backoff_factor, min_scale); on a clean step, streak = 0 and "
-            "tracker += 1, and when tracker == growth_interval grow S unless S * "
-            "growth_factor > torch.finfo(torch.float32).max, and tracker = 0. Then reset "
-            "the verdict for the next step")
+            "update is not written yet (`python -m exercises.grade 05 --hint` gives a hint)")
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps: everything needed to go on exactly where it stopped."""
         raise NotImplementedError(
-            "state_dict: return a dict of plain numbers: the scale, the growth tracker, the "
-            "overflow streak (the hyperparameters too, if you like, as GradScaler does)")
+            "state_dict is not written yet (`python -m exercises.grade 05 --hint` gives a hint)")
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what state_dict() returned."""
         raise NotImplementedError(
-            "load_state_dict: set the scale and both counters from the dict state_dict() made")
+            "load_state_dict is not written yet (`python -m exercises.grade 05 --hint` gives a hint)")
+
+
+@torch.no_grad()
+def unscale_shards(shards: list[torch.Tensor], scale: float) -> bool:
+    """FIND THE BUG. Under ZeRO-2 (chapter 06) each rank holds only its own shards of the
+    averaged gradients (`shards`, possibly none). Divide them by `scale` in place and say
+    whether this step must be skipped: True when any gradient on any rank is inf, -inf or
+    NaN, the same answer on every rank. As shipped, a job using it saw its ranks'
+    parameters drift apart after the first overflow. Fix it (call no collective without
+    a process group of more than one rank)."""
+    found = False
+    for g in shards:
+        g.div_(scale)
+        if not bool(torch.isfinite(g).all()):
+            found = True
+    return found
 
 
 # Where minidist implements it; `python -m exercises.grade 05 --reference` grades it
 # instead of the stub above. Leave it as it is.
 REFERENCE = {
     "LossScaler": "minidist.scaler:LossScaler",
+    "unscale_shards": "exercises.checks_05:reference_unscale_shards",
 }

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from exercises import _harness as H
+from exercises import _rules
 from exercises.grade import check
 from minidist.ddp import DDP, allreduce_gradients_flat
 from minidist.model import GPT, GPTConfig
@@ -27,6 +28,15 @@ CFG = dict(n_layer=2, n_head=2, n_embd=32, block_size=12, vocab_size=64)
 B, T = 12, 12          # global batch: 12 sequences of 12 tokens
 K = {1: 3, 2: 2}       # micro-steps per rank, by world size
 HANG_HINT = "Every rank must make the same all_reduce calls in the same order."
+
+
+# The exercise's rules, watched in every part while the learner's code runs
+# (exercises/_rules.py): the token count travels by dist.all_reduce, nothing else; the
+# gradients are the DDP's (or the caller's) business, never torch's DDP.
+RULES = _rules.Rules(
+    allowed=("allreduce", "send", "recv"),
+    collective_rule="exercise 04 communicates only through dist.all_reduce",
+    apis={_rules.TORCH_DDP: "exercise 04 uses the DDP it is given (minidist's), not torch's"})
 
 
 # --------------------------------------------------------------------- data and oracles
@@ -150,7 +160,8 @@ def _result(fns, r, n, use_ddp: str) -> dict:
     out = {"loss": None, "problem": None, "want_loss": oracles["right"][1],
            "micro_means_loss": oracles["micro means loss"]}
     if use_ddp == "ddp":
-        ddp = DDP(model, bucket_cap_mb=0.01)  # several buckets
+        with _rules.exempt():  # the grader's DDP broadcasts rank 0's weights
+            ddp = DDP(model, bucket_cap_mb=0.01)  # several buckets
         buffers = {b.buffer.data_ptr() for b in ddp.buckets}
         rec = _AllReduces()
         model.register_forward_pre_hook(lambda *_: rec.events.append(("forward",)))
@@ -190,7 +201,7 @@ _CACHE = H.Cache()
 def _results(impl) -> dict:
     fns = {"accumulate": impl.accumulate}
     key = (impl.accumulate, repr(WORLD_SIZES), TIMEOUT_S)  # tests change the last two
-    return _CACHE.get(key, lambda: H.run_all(PARTS, fns, WORLD_SIZES, TIMEOUT_S, HANG_HINT))
+    return _CACHE.get(key, lambda: H.run_all(PARTS, fns, WORLD_SIZES, TIMEOUT_S, HANG_HINT, RULES))
 
 
 def _part(impl, name, world_sizes):

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from exercises import _harness as H
+from exercises import _rules
 from exercises.grade import check
 
 FP32_MAX = torch.finfo(torch.float32).max
@@ -117,12 +118,19 @@ def _drive(scaler, pattern: str, seed: int = 0, rank: int = 0, record=None) -> l
     return out
 
 
+# The exercise's rules, watched in every check and part while the learner's code runs
+# (exercises/_rules.py); the grader's own GradScaler, the oracle, runs exempt.
+RULES = _rules.Rules(apis={"torch.amp.GradScaler": "exercise 05 writes the loss scaler: "
+                           "torch's GradScaler is the grader's oracle, not a building block"})
+
+
 @functools.lru_cache(maxsize=None)  # the same for every implementation graded
 def _gradscaler(pattern, init_scale, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
                 seed=0) -> list[dict]:
-    return _drive(torch.amp.GradScaler("cpu", init_scale=init_scale, growth_factor=growth_factor,
-                                       backoff_factor=backoff_factor, growth_interval=growth_interval),
-                  pattern, seed)
+    with _rules.exempt():
+        return _drive(torch.amp.GradScaler("cpu", init_scale=init_scale, growth_factor=growth_factor,
+                                           backoff_factor=backoff_factor,
+                                           growth_interval=growth_interval), pattern, seed)
 
 
 def _rule(pattern: str, init_scale, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
@@ -289,6 +297,38 @@ RANKS = {
 
 # --------------------------------------------------------------------- two ranks
 
+@torch.no_grad()
+def reference_unscale_shards(shards: list, scale: float) -> bool:
+    """unscale_shards fixed: the verdict all-reduced (MAX) over ranks, on every rank."""
+    flag = torch.zeros(1)
+    for g in shards:
+        g.div_(scale)
+        if not bool(torch.isfinite(g).all()):
+            flag.fill_(1.0)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+# per case, what each of 2 ranks holds: "." clean shards, a KIND one overflowing shard,
+# "0" no shard at all
+SHARD_CASES = [(".", "I"), ("N", "."), (".", "."), ("0", "-"), ("0", ".")]
+
+
+def _shards_part(fns, r, n) -> list:
+    out = []
+    for case, kinds in enumerate(SHARD_CASES):
+        g = torch.Generator().manual_seed(100 * case + r)
+        shards = [] if kinds[r] == "0" else [torch.randn(5, generator=g), torch.randn(3, generator=g)]
+        if kinds[r] in KINDS and KINDS[kinds[r]] is not None:
+            shards[1][1] = KINDS[kinds[r]]
+        want = [t / 4.0 for t in shards]
+        skip = fns["unscale_shards"](shards, 4.0)
+        unscaled = all(torch.allclose(a, b, rtol=0, atol=0, equal_nan=True) for a, b in zip(shards, want))
+        out.append({"skip": skip, "unscaled": unscaled})
+    return out
+
+
 def _ranks_part(fns, r, n) -> dict:
     out = {}
     for label, (steps, kw) in RANKS.items():
@@ -316,12 +356,16 @@ _CACHE = H.Cache()
 
 def _results(impl) -> dict:
     def compute():
+        fns = {"LossScaler": impl.LossScaler, "unscale_shards": impl.unscale_shards}
+        parts = {"ranks": _ranks_part, "shards": _shards_part}
+        # a stub scaler: its hint without running it on ranks; the find-the-bug part is
+        # shipped code, so it runs whatever the scaler's state
         hint = _preflight(impl.LossScaler)
-        if hint is not None:
-            return {("ranks", 2): ("notimpl", hint)}
-        return H.run_all({"ranks": _ranks_part}, {"LossScaler": impl.LossScaler}, {2: ["ranks"]},
-                         TIMEOUT_S, HANG_HINT)
-    return _CACHE.get((impl.LossScaler, TIMEOUT_S), compute)  # tests change the timeout
+        if hint is None:
+            return H.run_all(parts, fns, {2: ["ranks", "shards"]}, TIMEOUT_S, HANG_HINT, RULES)
+        results = H.run_all(parts, fns, {2: ["shards"]}, TIMEOUT_S, HANG_HINT, RULES)
+        return {**results, ("ranks", 2): ("notimpl", hint)}
+    return _CACHE.get((impl.LossScaler, impl.unscale_shards, TIMEOUT_S), compute)  # tests change the timeout
 
 
 # --------------------------------------------------------------------- the checks
@@ -510,3 +554,106 @@ def _ranks(impl):
                     raise AssertionError(f"{where}: (skipped, S) is {g}, want {w}")
             a, b = (res[label]["params"] for res in per_rank)
             assert torch.equal(a, b), f"2 ranks, {label}: the ranks' parameters differ at the end"
+
+
+@check("05", points=2, name="find the bug: unscale_shards gives every rank the same verdict (sharded gradients)")
+def _unscale_shards(impl):
+    for _, per_rank in H.per_world_size(_results(impl), "shards", (2,)):
+        for case, kinds in enumerate(SHARD_CASES):
+            got = [res[case] for res in per_rank]
+            want = any(k in KINDS and KINDS[k] is not None for k in kinds)
+            held = ", ".join(f"rank {r}: " + ("no shard" if k == "0" else
+                                              "clean shards" if k == "." else f"a shard with {k}")
+                             for r, k in enumerate(kinds))
+            for r, res in enumerate(got):
+                assert res["unscaled"], (f"2 ranks ({held}): rank {r}'s shards are not its "
+                                         "gradients divided by the scale")
+                assert res["skip"] == want, (
+                    f"2 ranks ({held}): rank {r} says skip={res['skip']}, want {want} on every "
+                    "rank. A rank sees only its own shard: if it decides alone, one rank skips "
+                    "the step and the other takes it, and their parameters drift apart")
+
+
+# Tiered hints, shown one at a time by `python -m exercises.grade 05 --hint`.
+HINTS = {
+    "_scale_unscale": [
+        'LossScaler.__init__: keep the scale (float(init_scale)), the growth tracker '
+        "and the overflow streak (both 0), and this step's verdict (None until unscale_"
+        ' decides it) and whether unscale_ ran; then delete this raise and implement '
+        'the methods below',
+        "scale: return loss * S (S a Python float keeps loss's dtype)",
+        'get_scale: return the current scale as a Python float',
+        "unscale_: grads = [p.grad for g in optimizer.param_groups for p in g['params']"
+        ' if p.grad is not None]; g.div_(S) for each (or torch._foreach_mul_(grads, 1 /'
+        ' S)); flag = torch.tensor([0. if all(torch.isfinite(g).all() for g in grads) '
+        'else 1.]); if dist.is_initialized() and dist.get_world_size() > 1: '
+        'dist.all_reduce(flag, op=dist.ReduceOp.MAX); remember bool(flag.item())',
+    ],
+    "_random_overflows": [
+        'step: call self.unscale_(optimizer) unless it already ran this step; then '
+        'return optimizer.step() if the verdict is clean, else return None without '
+        'touching the optimizer',
+        'update: on overflow, streak += 1 and tracker = 0, and once streak >= '
+        'hysteresis raise FloatingPointError if S <= min_scale (say what to try), else '
+        'S = max(S * backoff_factor, min_scale); on a clean step, streak = 0 and '
+        'tracker += 1, and when tracker == growth_interval grow S unless S * '
+        'growth_factor > torch.finfo(torch.float32).max, and tracker = 0. Then reset '
+        'the verdict for the next step',
+    ],
+    "_parameters": [
+        'step: call self.unscale_(optimizer) unless it already ran this step; then '
+        'return optimizer.step() if the verdict is clean, else return None without '
+        'touching the optimizer',
+    ],
+    "_ceiling": [
+        'update: on overflow, streak += 1 and tracker = 0, and once streak >= '
+        'hysteresis raise FloatingPointError if S <= min_scale (say what to try), else '
+        'S = max(S * backoff_factor, min_scale); on a clean step, streak = 0 and '
+        'tracker += 1, and when tracker == growth_interval grow S unless S * '
+        'growth_factor > torch.finfo(torch.float32).max, and tracker = 0. Then reset '
+        'the verdict for the next step',
+    ],
+    "_hysteresis": [
+        'update: on overflow, streak += 1 and tracker = 0, and once streak >= '
+        'hysteresis raise FloatingPointError if S <= min_scale (say what to try), else '
+        'S = max(S * backoff_factor, min_scale); on a clean step, streak = 0 and '
+        'tracker += 1, and when tracker == growth_interval grow S unless S * '
+        'growth_factor > torch.finfo(torch.float32).max, and tracker = 0. Then reset '
+        'the verdict for the next step',
+    ],
+    "_nonfinite": [
+        "unscale_: grads = [p.grad for g in optimizer.param_groups for p in g['params']"
+        ' if p.grad is not None]; g.div_(S) for each (or torch._foreach_mul_(grads, 1 /'
+        ' S)); flag = torch.tensor([0. if all(torch.isfinite(g).all() for g in grads) '
+        'else 1.]); if dist.is_initialized() and dist.get_world_size() > 1: '
+        'dist.all_reduce(flag, op=dist.ReduceOp.MAX); remember bool(flag.item())',
+    ],
+    "_min_scale": [
+        'update: on overflow, streak += 1 and tracker = 0, and once streak >= '
+        'hysteresis raise FloatingPointError if S <= min_scale (say what to try), else '
+        'S = max(S * backoff_factor, min_scale); on a clean step, streak = 0 and '
+        'tracker += 1, and when tracker == growth_interval grow S unless S * '
+        'growth_factor > torch.finfo(torch.float32).max, and tracker = 0. Then reset '
+        'the verdict for the next step',
+    ],
+    "_state_dict": [
+        'state_dict: return a dict of plain numbers: the scale, the growth tracker, the'
+        ' overflow streak (the hyperparameters too, if you like, as GradScaler does)',
+        'load_state_dict: set the scale and both counters from the dict state_dict() '
+        'made',
+    ],
+    "_ranks": [
+        "unscale_: grads = [p.grad for g in optimizer.param_groups for p in g['params']"
+        ' if p.grad is not None]; g.div_(S) for each (or torch._foreach_mul_(grads, 1 /'
+        ' S)); flag = torch.tensor([0. if all(torch.isfinite(g).all() for g in grads) '
+        'else 1.]); if dist.is_initialized() and dist.get_world_size() > 1: '
+        'dist.all_reduce(flag, op=dist.ReduceOp.MAX); remember bool(flag.item())',
+    ],
+    "_unscale_shards": [
+        "Which gradients can one rank see under ZeRO-2, and which rank decides whether the "
+        "step is skipped? Run the shipped code in your head for rank 0 clean, rank 1 inf.",
+        "Each rank knows only about its own shards: turn the verdict into a float flag and "
+        "dist.all_reduce it with ReduceOp.MAX, on every rank (one with no shard too), when "
+        "dist.is_initialized() and dist.get_world_size() > 1.",
+    ],
+}

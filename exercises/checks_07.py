@@ -22,11 +22,25 @@ import math
 
 import numpy as np
 import torch
-from torch.optim._muon import _zeropower_via_newtonschulz as _torch_ns
+from torch.optim._muon import _zeropower_via_newtonschulz as _torch_ns_itself
 from torch.utils.flop_counter import FlopCounterMode
 
 from exercises import _harness as H
+from exercises import _rules
 from exercises.grade import check
+
+# The exercise's rules, watched in every check and part while the learner's code runs
+# (exercises/_rules.py): torch's Muon and its Newton-Schulz are the grader's oracles.
+_ORACLE = "exercise 07 writes Newton-Schulz and Muon: torch's are the grader's oracles"
+RULES = _rules.Rules(apis={"torch.optim.Muon": _ORACLE,
+                           "torch.optim._muon._zeropower_via_newtonschulz": _ORACLE})
+
+
+def _torch_ns(*args):
+    """torch's Newton-Schulz, the oracle (exempt from the rules it enforces)."""
+    with _rules.exempt():
+        return _torch_ns_itself(*args)
+
 
 COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's, as torch.optim.Muon's
 WORLD_SIZES = (2, 3)
@@ -130,7 +144,8 @@ def _drive(make, missing=frozenset()):
 @functools.lru_cache(maxsize=None)
 def _torch_muon(kw_items: tuple, missing: frozenset):
     """torch.optim.Muon's (parameters after each step, final momentum per matrix)."""
-    trajectory, opt, ps = _drive(lambda ps: torch.optim.Muon(ps, **dict(kw_items)), missing)
+    with _rules.exempt():  # the grader's oracle
+        trajectory, opt, ps = _drive(lambda ps: torch.optim.Muon(ps, **dict(kw_items)), missing)
     momentum = {i: opt.state[p]["momentum_buffer"] for i, p in enumerate(ps) if p in opt.state}
     return trajectory, momentum
 
@@ -269,7 +284,7 @@ def _results(impl) -> dict:
         hint = _preflight(impl.Muon)
         if hint is not None:
             return {(p, n): ("notimpl", hint) for p in PARTS for n in WORLD_SIZES}
-        return H.run_all(PARTS, {"Muon": impl.Muon}, WORLD_SIZES, TIMEOUT_S, HANG_HINT)
+        return H.run_all(PARTS, {"Muon": impl.Muon}, WORLD_SIZES, TIMEOUT_S, HANG_HINT, RULES)
     return _CACHE.get((impl.Muon, WORLD_SIZES, TIMEOUT_S), compute)  # tests change the last two
 
 

@@ -122,16 +122,30 @@ class Result:
     max_points = property(lambda self: sum(c.max_points for c in self.checks))
 
 
-def _run(c: Check, impl: SimpleNamespace) -> CheckResult:
+def rules_of(nn: str):
+    """The exercise's rules (an exercises._rules.Rules in checks_NN.py's RULES), or None."""
+    return getattr(sys.modules.get(f"exercises.checks_{nn}"), "RULES", None)
+
+
+def _run(c: Check, impl: SimpleNamespace, rules=None) -> CheckResult:
+    # The check runs under the exercise's rules too: what it runs in this process (the
+    # single-process checks) breaks them as a part on the ranks would (exercises/_rules.py)
+    from exercises import _rules
+    w = None
     try:
-        c.fn(impl)
-        return CheckResult(c.name, True, c.points, c.points)
+        with _rules.watching(rules) as w:
+            c.fn(impl)
+        if not w.broken:
+            return CheckResult(c.name, True, c.points, c.points)
+        msg = f"{w.broken[0]} (this check scores 0)"
     except NotImplementedError as e:  # still a stub: show its hint
         msg = f"not implemented: {e}"
     except AssertionError as e:
         msg = str(e) or "assertion failed"
     except Exception as e:  # a crash in the code under test fails its check, not the run
         msg = f"{type(e).__name__}: {e}"
+    if w is not None and w.broken and "scores 0" not in msg:
+        msg = f"{w.broken[0]} (this check scores 0)"
     return CheckResult(c.name, False, 0, c.points, msg)
 
 
@@ -147,7 +161,8 @@ def grade(nn: str, reference: bool = False, overrides: dict | None = None) -> Re
         why = f"exercises/{known[nn]}.py does not load: {type(e).__name__}: {e}"
         result.checks = [CheckResult(c.name, False, 0, c.points, why) for c in checks_of(nn)]
     else:
-        result.checks = [_run(c, impl) for c in checks_of(nn)]
+        checks = checks_of(nn)
+        result.checks = [_run(c, impl, rules_of(nn)) for c in checks]
     result.seconds = time.perf_counter() - t0
     return result
 

@@ -380,6 +380,29 @@ def acc_no_world_factor(model, micro_batches, world_size, ddp=None):
 CHECK4 = {"one rank": "1 rank", "ddp": "under DDP", "plain": "ddp=None", "loss": "mean loss",
           "no_sync": "no_sync"}
 
+# -- a rule broken: the token count gathered with dist.all_gather, not all_reduce
+
+def acc_gathers_count(model, micro_batches, world_size, ddp=None):
+    mine = torch.tensor([float(sum(int((y != -1).sum()) for _, y in micro_batches))])
+    everyone = [torch.zeros(1) for _ in range(world_size)]
+    dist.all_gather(everyone, mine)
+    n, total = sum(everyone), torch.zeros(1)
+    for i, (x, y) in enumerate(micro_batches):
+        with _sync(ddp, i, len(micro_batches)):
+            _, loss = model(x, y, reduction="sum")
+            (loss * world_size / n).backward()
+        total += loss.detach()
+    dist.all_reduce(total)
+    return (total / n).item()
+
+
+def test_04_a_collective_other_than_all_reduce_scores_0_naming_the_rule():
+    r = G.grade("04", overrides=dict(accumulate=acc_gathers_count))
+    assert r.points == 0
+    assert all("dist.all_gather (ProcessGroup.allgather) was called, which this exercise "
+               "forbids" in c.message for c in r.checks), [c.message for c in r.checks]
+
+
 MISTAKES4 = {
     "mean of micro-batch means": (acc_micro_means, {"one rank", "ddp", "plain", "loss"},
                                   "per-micro-batch means"),

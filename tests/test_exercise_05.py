@@ -10,6 +10,7 @@ single-process checks.
 The scalers live at module level: cloudpickle ships them to the ranks by name.
 """
 
+import importlib
 import math
 
 import pytest
@@ -173,7 +174,7 @@ class LocalVerdict(Plain):  # each rank decides alone
 CHECK5 = {"scale": "scale() and unscale_()", "random": "random inf", "params": "skipped steps leave",
           "ceiling": "float32's maximum", "hysteresis": "hysteresis: back off",
           "nonfinite": "NaN and -inf are", "min_scale": "min_scale:", "state": "state_dict",
-          "ranks": "2 ranks"}
+          "ranks": "2 ranks", "shards": "find the bug"}
 
 MISTAKES5 = {
     # name: (scaler, checks that must fail, a phrase each failure message contains)
@@ -207,7 +208,8 @@ def test_05_check_keys_name_each_check_once():
 def test_05_mistake_loses_the_points_of_its_checks(mistake, monkeypatch):
     scaler, must_fail, phrase = MISTAKES5[mistake]
     # the single-process checks only: a launch per mistake would cost seconds each
-    monkeypatch.setitem(G.CHECKS, "05", [c for c in G.checks_of("05") if CHECK5["ranks"] not in c.name])
+    monkeypatch.setitem(G.CHECKS, "05", [c for c in G.checks_of("05") if CHECK5["ranks"] not in c.name
+                                         and CHECK5["shards"] not in c.name])
     r = G.grade("05", overrides=dict(LossScaler=scaler))
     which, messages = _failed(r)
     assert which == must_fail, messages
@@ -224,27 +226,55 @@ def _local_on_ranks(fns, r, n):
     return C5._ranks_part({"LossScaler": LocalVerdict}, r, n)
 
 
+def plain_unscale_shards(shards, scale):  # the shipped function, its verdict all-reduced
+    flag = torch.tensor([0.0])
+    for g in shards:
+        g.div_(scale)
+        flag = torch.maximum(flag, (~torch.isfinite(g)).any().float().reshape(1))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _shards_on_ranks(fn, fns, r, n):
+    return C5._shards_part({"unscale_shards": fn}, r, n)
+
+
 def test_05_a_plain_solution_scores_full_and_ranks_that_decide_alone_lose_the_ranks_check(monkeypatch):
-    # both on 2 ranks in one launch (each costs seconds), then graded as the grader would
-    ranks = C5.H.run_all({"plain": _plain_on_ranks, "local": _local_on_ranks}, {},
-                         {2: ["plain", "local"]}, C5.TIMEOUT_S, C5.HANG_HINT)
-    for scaler, part in ((Plain, "plain"), (LocalVerdict, "local")):
-        monkeypatch.setattr(C5, "_results", lambda impl, part=part: {("ranks", 2): ranks[part, 2]})
+    # both on 2 ranks in one launch (each costs seconds), then graded as the grader would;
+    # the find-the-bug part too, fixed and as shipped
+    import functools
+    shipped = importlib.import_module("exercises.05_mixed_precision").unscale_shards
+    ranks = C5.H.run_all({"plain": _plain_on_ranks, "local": _local_on_ranks,
+                          "fixed": functools.partial(_shards_on_ranks, plain_unscale_shards),
+                          "shipped": functools.partial(_shards_on_ranks, shipped)}, {},
+                         {2: ["plain", "local", "fixed", "shipped"]}, C5.TIMEOUT_S, C5.HANG_HINT,
+                         C5.RULES)
+    for scaler, part, shards in ((Plain, "plain", "fixed"), (LocalVerdict, "local", "shipped")):
+        monkeypatch.setattr(C5, "_results", lambda impl, part=part, shards=shards: {
+            ("ranks", 2): ranks[part, 2], ("shards", 2): ranks[shards, 2]})
         r = G.grade("05", overrides=dict(LossScaler=scaler))
         which, messages = _failed(r)
         if scaler is Plain:
             assert r.points == r.max_points, messages
         else:
-            assert which == {"ranks"}, messages
-            assert "ReduceOp.MAX" in next(iter(messages.values()))
+            assert which == {"ranks", "shards"}, messages
+            assert "ReduceOp.MAX" in messages[next(n for n in messages if CHECK5["ranks"] in n)]
+            assert "drift apart" in messages[next(n for n in messages if CHECK5["shards"] in n)]
 
 
 def test_05_the_stub_is_graded_without_starting_processes(monkeypatch):
-    def no_launch(*a, **k):
-        raise AssertionError("a stub needs no launch")
-    monkeypatch.setattr(C5.H, "run_all", no_launch)
+    # only the find-the-bug part, shipped code, goes to the ranks
+    plans = []
+
+    def launch(parts, fns, plan, *a, **k):
+        plans.append(plan)
+        return {("shards", 2): ("error", "not run in this test")}
+    monkeypatch.setattr(C5.H, "run_all", launch)
     r = G.grade("05")
-    assert r.points == 0 and all(c.message.startswith("not implemented: ") for c in r.checks)
+    assert plans == [{2: ["shards"]}] and r.points == 0
+    assert all(c.message.startswith("not implemented: ") for c in r.checks
+               if CHECK5["shards"] not in c.name)
 
 
 # -- the grader's oracles
@@ -281,3 +311,41 @@ def test_05_patterns_move_the_scale_and_stay_in_range():
     _, pattern, kw = C5.CEILING
     scales = [s for _, s in C5._rule(pattern, **kw)]
     assert max(scales) == 2.0**127 and scales.count(2.0**127) > 20  # growth refused there, often
+
+
+# -- a rule broken: torch's GradScaler doing the work behind the exercise's API
+
+class WrapsGradScaler:
+    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
+                 growth_interval=2000, hysteresis=1, min_scale=1.0):
+        self.g = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_factor=growth_factor,
+                                      backoff_factor=backoff_factor, growth_interval=growth_interval)
+
+    def scale(self, loss):
+        return self.g.scale(loss)
+
+    def get_scale(self):
+        return self.g.get_scale()
+
+    def unscale_(self, opt):
+        self.g.unscale_(opt)
+
+    def step(self, opt):
+        return self.g.step(opt)
+
+    def update(self):
+        self.g.update()
+
+    def state_dict(self):
+        return self.g.state_dict()
+
+    def load_state_dict(self, state):
+        self.g.load_state_dict(state)
+
+
+def test_05_torchs_gradscaler_inside_scores_0_naming_the_rule(monkeypatch):
+    monkeypatch.setitem(G.CHECKS, "05", [c for c in G.checks_of("05") if CHECK5["ranks"] not in c.name])
+    r = G.grade("05", overrides=dict(LossScaler=WrapsGradScaler))
+    assert r.points == 0, {c.name: c.message for c in r.checks if c.ok}
+    for c in r.checks:
+        assert "torch.amp.GradScaler was called, which this exercise forbids" in c.message, c.message

@@ -305,3 +305,17 @@ def test_07_plain_newton_schulz_is_torchs_to_the_bit():
     for shape in C7.SHAPES:
         G_ = torch.randn(*shape, generator=g)
         assert torch.equal(plain_ns(G_), C7._torch_ns(G_, C7.COEFFICIENTS, 5, 1e-7))
+
+
+def ns_torchs_own(G_, steps=5, dtype=torch.bfloat16, eps=1e-7):  # a rule broken
+    from torch.optim._muon import _zeropower_via_newtonschulz
+    return _zeropower_via_newtonschulz(G_.to(dtype), C7.COEFFICIENTS, steps, eps)
+
+
+def test_07_torchs_newton_schulz_inside_scores_0_naming_the_rule(monkeypatch):
+    _only(monkeypatch, NS_CHECKS)
+    r = G.grade("07", reference=True, overrides=dict(newton_schulz=ns_torchs_own))
+    assert r.points == 0, {c.name: c.message for c in r.checks if c.ok}
+    for c in r.checks:
+        assert "_zeropower_via_newtonschulz was called, which this exercise forbids" in c.message, \
+            c.message
