@@ -37,7 +37,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from minidist.dist import DEFAULT_TIMEOUT_S
+from minidist.dist import default_timeout_s
 
 # ------------------------------------------------------------------ counting, messages
 
@@ -70,18 +70,15 @@ def _isend(t: torch.Tensor, dst: int, name: str):
     return dist.isend(t, dst)
 
 
-_TIMEOUT = timedelta(seconds=DEFAULT_TIMEOUT_S)  # MINIDIST_TIMEOUT, read at import
-
-
 def _wait(work, verb: str, peer: int, name: str, step: str) -> None:
     """Wait for one posted message, within the timeout; a failure names the collective,
     the step, this rank and the peer."""
     try:
-        work.wait(_TIMEOUT)
+        work.wait(timedelta(seconds=default_timeout_s()))
     except RuntimeError as e:
         where = f"{name}: {step}: rank {dist.get_rank()} could not {verb} rank {peer}"
         if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-            raise TimeoutError(f"{where} within {_TIMEOUT.total_seconds():.0f}s; did every "
+            raise TimeoutError(f"{where} within {default_timeout_s():.0f}s; did every "
                                f"rank call the same collective? ({e})") from e
         raise RuntimeError(f"{where}: {e}") from e  # e.g. the peer died
 

@@ -22,7 +22,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("MINIDIST_TIMEOUT", 300))
+def default_timeout_s() -> float:
+    """Seconds a collective may wait for its peers: MINIDIST_TIMEOUT, else 300. Read when
+    asked, not at import, so a process that changes its environment (a notebook, a test,
+    a launched child) gets the value it set."""
+    return float(os.environ.get("MINIDIST_TIMEOUT", 300))
 
 
 @dataclass
@@ -78,7 +82,7 @@ def _elastic_store(timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"minidist/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
-def init(device: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> DistInfo:
+def init(device: str | None = None, timeout_s: float | None = None) -> DistInfo:
     """Join (or create) the process group this process belongs to and return who we are.
 
     Under torchrun the rendezvous comes from the environment it sets (RANK, WORLD_SIZE,
@@ -93,7 +97,7 @@ def init(device: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Dis
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     _set_threads(device_type, local_world)
-    timeout = timedelta(seconds=timeout_s)
+    timeout = timedelta(seconds=default_timeout_s() if timeout_s is None else timeout_s)
     if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # torchrun
         dist.init_process_group(backend, store=_elastic_store(timeout), timeout=timeout,
                                 rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))

@@ -4,24 +4,22 @@ process group, from a test, a notebook or an exercise.
 Chapter 02 (chapters/02_collectives.md) introduces it. Exercised by tests/test_dist.py and
 every notebook: `python -c "from minidist.launch import launch; print(launch(abs, 2, -1))"`.
 
-A program started by torchrun does not need this: torchrun starts the processes and
-`minidist.dist.init()` joins them. launch does torchrun's job inside one Python call:
-it starts `world_size` processes, gives each the environment torchrun would, sets up the
-process group, runs `fn(*args)` there and hands back the return values, or re-raises the
+Under torchrun this is not needed (torchrun starts the processes, `minidist.dist.init()`
+joins them); launch does torchrun's job inside one Python call: it starts the processes,
+sets up the group, runs `fn(*args)` in each and returns the values, or re-raises the
 first failure with its rank.
 
-`Pool(world_size)` keeps such processes alive across calls: `pool.run(fn, *args)` pays for
-no process start and no torch import, most of a small launch's time. The test suite and
-the exercise grader use it (`shared_pool`).
+minidist/pool.py keeps such processes alive across many calls (the test suite and the
+exercise grader use it); the pieces it shares with launch are the helpers below.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import pickle
 import queue
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -52,9 +50,16 @@ def _dumps(obj) -> bytes:
     return cloudpickle.dumps(obj)
 
 
-def _child(rank, world_size, port, backend, device_type, timeout_s, payload, results, tasks=None):
+def _child(rank, world_size, port, backend, device_type, timeout_s, payload, results,
+           tasks=None, caller=None):
     """One process of a group: join it, then run `payload` (launch) or, for a Pool, each
     payload that arrives on `tasks` until None does."""
+    if caller is not None:  # forked from the fork server: take the caller's place
+        env, path, cwd = caller
+        os.environ.clear()
+        os.environ.update(env)
+        sys.path[:] = path
+        os.chdir(cwd)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -152,16 +157,29 @@ def _backend(world_size, backend, device):
     return backend, ("cuda" if backend == "nccl" else "cpu")
 
 
+def _context():
+    """Forking the caller would copy its threads and CUDA state; a fresh interpreter
+    (spawn) costs seconds of torch import per process. A fork server, one clean process
+    that imported torch once, forks each child in milliseconds; the child then takes the
+    caller's environment, path and folder (_child). Spawn where there is none (Windows)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
+
+
 def _start(world_size, backend, device_type, timeout_s, payload, pooled):
     """(store, processes, results queue, task queues or None): a group of fresh processes."""
-    ctx = mp.get_context("spawn")  # fork would copy the parent's threads and CUDA state
+    ctx = _context()
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
                           wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
     results = ctx.Queue()
     tasks = [ctx.SimpleQueue() for _ in range(world_size)] if pooled else None
     procs = [ctx.Process(target=_child, daemon=True,
                          args=(r, world_size, store.port, backend, device_type, timeout_s,
-                               payload, results, tasks[r] if pooled else None))
+                               payload, results, tasks[r] if pooled else None,
+                               (dict(os.environ), list(sys.path), os.getcwd())))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -255,74 +273,3 @@ def launch(fn, world_size: int, *args, backend: str | None = None, device: str |
     if failure is not None:
         _raise(failure, world_size)
     return [outputs[r] for r in range(world_size)]
-
-
-class Pool:
-    """`world_size` processes in one process group that stay alive across calls, for many
-    short multi-process runs in a row (a test suite): `run(fn, *args)` is launch without
-    the process start. Use it as a context manager, or call close().
-
-    Calls run one after another on every rank, each in a new process group and from the
-    torch RNG state, environment, thread count and default dtype of a fresh process;
-    other global state a call changes (a module it patched) stays: give such functions
-    their own launch. A failed call (an exception, a dead rank, a timeout, a deadline) is
-    re-raised as launch would, and stops every process: the next call starts fresh ones.
-    """
-
-    def __init__(self, world_size: int, backend: str | None = None, device: str | None = None,
-                 timeout_s: float = 120.0, grace_s: float = 1.0):
-        self.world_size = world_size
-        self.backend, self.device_type = _backend(world_size, backend, device)
-        self.timeout_s, self.grace_s = timeout_s, grace_s
-        self._group = None  # (store, processes, results, task queues), started on first use
-        self.starts = 0     # how many groups it has started: 1 unless calls failed
-
-    def run(self, fn, *args, timeout_s: float | None = None, deadline_s: float | None = None) -> list:
-        """fn(*args) on every rank of the pool; the list of return values, by rank.
-        `timeout_s` (the pool's by default) and `deadline_s` are launch's."""
-        if self._group is None:
-            self._group = _start(self.world_size, self.backend, self.device_type,
-                                 self.timeout_s, None, pooled=True)
-            self.starts += 1
-        _, procs, results, tasks = self._group
-        task = (_dumps((fn, args)), self.timeout_s if timeout_s is None else timeout_s)
-        for q in tasks:
-            q.put(task)
-        failure = "interrupted"  # (Ctrl-C) until _collect returns: the ranks' state is unknown
-        try:
-            outputs, failure = _collect(procs, results, self.grace_s, deadline_s)
-        finally:
-            if failure is not None:
-                self.close(wait_s=0)
-        if failure is not None:
-            _raise(failure, self.world_size)
-        return [outputs[r] for r in range(self.world_size)]
-
-    def close(self, wait_s: float = 10.0) -> None:
-        """Stop the processes (a later run starts new ones)."""
-        if self._group is not None:
-            _, procs, results, tasks = self._group
-            self._group = None
-            for p, q in zip(procs, tasks):
-                if wait_s and p.is_alive():
-                    q.put(None)  # finish: leave the group and exit
-            _stop(procs, results, wait_s)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-_SHARED: dict = {}  # world size -> Pool
-atexit.register(lambda: [p.close() for p in _SHARED.values()])
-
-
-def shared_pool(world_size: int) -> Pool:
-    """The Pool of `world_size` ranks that this Python process shares (started on first
-    use, stopped at exit): the test suite and the exercise grader take theirs here, so
-    each pays for one process start per world size, not one per test or per grading."""
-    if world_size not in _SHARED:
-        _SHARED[world_size] = Pool(world_size, timeout_s=float(os.environ.get("MINIDIST_TIMEOUT", 120)))
-    return _SHARED[world_size]

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from minidist import comm
-from minidist.launch import launch, shared_pool
+from minidist.launch import launch
+from minidist.pool import shared_pool
 
 SIZES = (1, 2, 7, 1000, 4099)  # 1 element, fewer than ranks, odd, divisible, prime
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -154,7 +155,7 @@ def _one_rank_skips():
 
 
 def test_rank_that_never_joins_is_a_named_timeout(monkeypatch):
-    monkeypatch.setenv("MINIDIST_TIMEOUT", "3")  # children read it at import
+    monkeypatch.setenv("MINIDIST_TIMEOUT", "3")  # the children inherit it and read it as they wait
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match=r"all_reduce: reduce-scatter step 1/1: rank 0 could not"):
         launch(_one_rank_skips, 2, timeout_s=90)

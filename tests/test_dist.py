@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from minidist.dist import init
-from minidist.launch import LaunchError, Pool, launch
+from minidist.launch import LaunchError, launch
+from minidist.pool import Pool
 
 
 def _who_and_sum(offset):

@@ -1,0 +1,85 @@
+"""Pool(world_size): launch's processes kept alive across many calls, for many short
+multi-process runs in a row (the test suite, the exercise grader).
+
+Chapter 02 (chapters/02_collectives.md) introduces launch, which this builds on.
+Exercised by `pytest tests/test_dist.py` and by every test that takes the `pool` fixture
+(tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+
+from minidist.launch import _backend, _collect, _dumps, _raise, _start, _stop
+
+
+class Pool:
+    """`world_size` processes in one process group that stay alive across calls, for many
+    short multi-process runs in a row (a test suite): `run(fn, *args)` is launch without
+    the process start. Use it as a context manager, or call close().
+
+    Calls run one after another on every rank, each in a new process group and from the
+    torch RNG state, environment, thread count and default dtype of a fresh process;
+    other global state a call changes (a module it patched) stays: give such functions
+    their own launch. A failed call (an exception, a dead rank, a timeout, a deadline) is
+    re-raised as launch would, and stops every process: the next call starts fresh ones.
+    """
+
+    def __init__(self, world_size: int, backend: str | None = None, device: str | None = None,
+                 timeout_s: float = 120.0, grace_s: float = 1.0):
+        self.world_size = world_size
+        self.backend, self.device_type = _backend(world_size, backend, device)
+        self.timeout_s, self.grace_s = timeout_s, grace_s
+        self._group = None  # (store, processes, results, task queues), started on first use
+        self.starts = 0     # how many groups it has started: 1 unless calls failed
+
+    def run(self, fn, *args, timeout_s: float | None = None, deadline_s: float | None = None) -> list:
+        """fn(*args) on every rank of the pool; the list of return values, by rank.
+        `timeout_s` (the pool's by default) and `deadline_s` are launch's."""
+        if self._group is None:
+            self._group = _start(self.world_size, self.backend, self.device_type,
+                                 self.timeout_s, None, pooled=True)
+            self.starts += 1
+        _, procs, results, tasks = self._group
+        task = (_dumps((fn, args)), self.timeout_s if timeout_s is None else timeout_s)
+        for q in tasks:
+            q.put(task)
+        failure = "interrupted"  # (Ctrl-C) until _collect returns: the ranks' state is unknown
+        try:
+            outputs, failure = _collect(procs, results, self.grace_s, deadline_s)
+        finally:
+            if failure is not None:
+                self.close(wait_s=0)
+        if failure is not None:
+            _raise(failure, self.world_size)
+        return [outputs[r] for r in range(self.world_size)]
+
+    def close(self, wait_s: float = 10.0) -> None:
+        """Stop the processes (a later run starts new ones)."""
+        if self._group is not None:
+            _, procs, results, tasks = self._group
+            self._group = None
+            for p, q in zip(procs, tasks):
+                if wait_s and p.is_alive():
+                    q.put(None)  # finish: leave the group and exit
+            _stop(procs, results, wait_s)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+_SHARED: dict = {}  # world size -> Pool
+atexit.register(lambda: [p.close() for p in _SHARED.values()])
+
+
+def shared_pool(world_size: int) -> Pool:
+    """The Pool of `world_size` ranks that this Python process shares (started on first
+    use, stopped at exit): the test suite and the exercise grader take theirs here, so
+    each pays for one process start per world size, not one per test or per grading."""
+    if world_size not in _SHARED:
+        _SHARED[world_size] = Pool(world_size, timeout_s=float(os.environ.get("MINIDIST_TIMEOUT", 120)))
+    return _SHARED[world_size]
