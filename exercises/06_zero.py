@@ -95,6 +95,9 @@ torch.distributed.optim.ZeroRedundancyOptimizer, no FSDP (fully_shard,
 FullyShardedDataParallel) and no torch.nn.parallel.DistributedDataParallel, anywhere in
 what you build: the sharding is yours to write.
 
+Find the bug: ShardedGradAccumulator, at the end of the file, is shipped code with a bug
+(a small ZeRO-2 gradient shard under accumulation); fix it.
+
 Grade your work with `python -m exercises.grade 06` (about 30 s on a quiet 2-core machine:
 it starts 2 and 3 processes), ask for a hint on the first failing check with
 `python -m exercises.grade 06 --hint` (again for the next one, `--hint K` for the K-th),
@@ -279,8 +282,36 @@ class ShardedOptimizer:
                 "optimizer_state": state}
 
 
+class ShardedGradAccumulator:
+    """FIND THE BUG. ZeRO-2's gradient shard under gradient accumulation, on its own: one
+    flat gradient of `numel` elements, of which this rank keeps elements [r*S, (r+1)*S)
+    (S = numel / N rounded up; the padding is zeros). reduce(flat_grad) runs after each
+    micro-step's backward; before the optimizer step `shard` must hold this rank's slice
+    of the gradient of the whole batch: summed over micro-steps (each micro-batch's loss
+    already divided by their number), averaged over ranks. zero() after the step. As
+    shipped, models trained with accumulation learned as if from a fraction of their
+    data. Fix it."""
+
+    def __init__(self, numel: int, group=None):
+        self.group, self.world = group, dist.get_world_size(group)
+        self.chunk = -(-numel // self.world)
+        self.shard = torch.zeros(self.chunk)
+
+    @torch.no_grad()
+    def reduce(self, flat_grad: torch.Tensor) -> None:
+        padded = torch.zeros(self.chunk * self.world)
+        padded[:flat_grad.numel()] = flat_grad
+        out = torch.empty(self.chunk)
+        dist.reduce_scatter_tensor(out, padded, group=self.group)  # the sum over ranks
+        self.shard.copy_(out.div_(self.world))
+
+    def zero(self) -> None:
+        self.shard.zero_()
+
+
 # Where minidist implements it; `python -m exercises.grade 06 --reference` grades it
 # instead of the stub above. Leave it as it is.
 REFERENCE = {
     "ShardedOptimizer": "minidist.zero:ShardedOptimizer",
+    "ShardedGradAccumulator": "exercises.checks_06:ReferenceGradAccumulator",
 }

@@ -277,6 +277,51 @@ def _zero_redundancy_part(fns, r: int, n: int) -> dict:
     return out
 
 
+class ReferenceGradAccumulator:
+    """ShardedGradAccumulator fixed: each micro-step's reduced shard adds into `shard`."""
+
+    def __init__(self, numel: int, group=None):
+        self.group, self.world = group, dist.get_world_size(group)
+        self.chunk = -(-numel // self.world)
+        self.shard = torch.zeros(self.chunk)
+
+    @torch.no_grad()
+    def reduce(self, flat_grad: torch.Tensor) -> None:
+        padded = torch.zeros(self.chunk * self.world)
+        padded[:flat_grad.numel()] = flat_grad
+        out = torch.empty(self.chunk)
+        dist.reduce_scatter_tensor(out, padded, group=self.group)
+        self.shard += out.div_(self.world)
+
+    def zero(self) -> None:
+        self.shard.zero_()
+
+
+ACC_NUMEL, ACC_MICRO = 11, 3  # 11 elements: padded on 2 ranks and on 3
+
+
+def _accumulator_part(fns, r: int, n: int) -> dict:
+    """Two optimizer steps of ACC_MICRO micro-steps each: this rank's shard before each
+    step, and what it should hold (computed here from every rank's gradients)."""
+    acc = fns["ShardedGradAccumulator"](ACC_NUMEL)
+    out = {"got": [], "want": [], "last": []}
+    chunk = -(-ACC_NUMEL // n)
+    for step in range(2):
+        grads = {(q, i): torch.randn(ACC_NUMEL, generator=torch.Generator().manual_seed(
+                 1000 * step + 10 * q + i)) / ACC_MICRO for q in range(n) for i in range(ACC_MICRO)}
+        for i in range(ACC_MICRO):
+            acc.reduce(grads[r, i].clone())
+        whole = torch.zeros(chunk * n)
+        whole[:ACC_NUMEL] = sum(grads.values()) / n
+        last = torch.zeros(chunk * n)
+        last[:ACC_NUMEL] = sum(grads[q, ACC_MICRO - 1] for q in range(n)) / n
+        out["got"].append(acc.shard.clone())
+        out["want"].append(whole[r * chunk:(r + 1) * chunk])
+        out["last"].append(last[r * chunk:(r + 1) * chunk])
+        acc.zero()
+    return out
+
+
 PARTS = {"oracle": _oracle_part, "zero1": functools.partial(_train_part, "zero1"),
          "zero_redundancy": _zero_redundancy_part,
          **{k: functools.partial(_train_part, k)
@@ -314,14 +359,22 @@ _CACHE = H.Cache()
 
 def _results(impl) -> dict:
     plan = {n: PLAN[n] for n in WORLD_SIZES}
+    fns = {"ShardedOptimizer": impl.ShardedOptimizer,
+           "ShardedGradAccumulator": impl.ShardedGradAccumulator}
+    parts = {**PARTS, "accumulator": _accumulator_part}
+    first = min(plan)  # the find-the-bug part runs at the first world size, with its launch
 
     def compute():
         hint = _preflight(impl.ShardedOptimizer)
-        if hint is not None:
-            return {(p, n): ("notimpl", hint) for n, parts in plan.items() for p in parts}
-        return H.run_all(PARTS, {"ShardedOptimizer": impl.ShardedOptimizer}, plan, TIMEOUT_S,
-                         HANG_HINT, RULES)
-    return _CACHE.get((impl.ShardedOptimizer, WORLD_SIZES, TIMEOUT_S), compute)  # tests change the last two
+        if hint is None:
+            return H.run_all(parts, fns, {n: ps + ["accumulator"] * (n == first)
+                                          for n, ps in plan.items()}, TIMEOUT_S, HANG_HINT, RULES)
+        # a stub optimizer: its hint without a launch; the find-the-bug part is shipped
+        # code, so it runs whatever the optimizer's state
+        done = H.run_all(parts, fns, {first: ["accumulator"]}, TIMEOUT_S, HANG_HINT, RULES)
+        return {**done, **{(p, n): ("notimpl", hint) for n, ps in plan.items() for p in ps}}
+    key = (impl.ShardedOptimizer, impl.ShardedGradAccumulator, WORLD_SIZES, TIMEOUT_S)
+    return _CACHE.get(key, compute)  # tests change the last two
 
 
 def _part(impl, name, world_sizes=None):
@@ -528,6 +581,27 @@ def _bytes(impl):
                     f"step{hint}")
 
 
+@check("06", points=2, name="find the bug: ShardedGradAccumulator keeps every micro-step's gradient")
+def _accumulator(impl):
+    n = min(WORLD_SIZES)
+    for _, per_rank in _part(impl, "accumulator", (n,)):
+        for r, res in enumerate(per_rank):
+            for step, (got, want, last) in enumerate(zip(res["got"], res["want"], res["last"])):
+                if _close(got, want):
+                    continue
+                where = (f"{n} ranks, {ACC_MICRO} micro-steps, optimizer step {step}: rank {r}'s "
+                         "shard")
+                if _close(got, last):
+                    raise AssertionError(
+                        f"{where} holds only the last micro-step's gradient: each micro-step's "
+                        "reduce-scatter must ADD into the shard (the full gradients were freed; "
+                        "the shard is the only place they accumulate), and zero() empties it")
+                if _close(got, n * want):
+                    raise AssertionError(f"{where} is {n} times too large: average over ranks")
+                raise AssertionError(f"{where} is not its slice of the whole batch's gradient "
+                                     "averaged over ranks")
+
+
 # Tiered hints, shown one at a time by `python -m exercises.grade 06 --hint`: first what to
 # look at, then one method at a time, in the order the grader's parts call them.
 HINTS = {
@@ -595,6 +669,13 @@ HINTS = {
     "_grad_memory": [
         "Free the full-size gradients as soon as a unit is reduced (p.grad = None for its "
         "parameters); after step only the shards, 4 bytes x padded/N per rank, remain.",
+    ],
+    "_accumulator": [
+        "Follow one rank's shard through three micro-steps: what does it hold after the "
+        "second reduce(), and where did the first micro-step's gradient go?",
+        "The reduce-scatter of each micro-step must be added into the shard (+=), not "
+        "copied over it: under ZeRO-2 the full-size gradients are freed after each "
+        "micro-step, so the shard is the only place they add up.",
     ],
     "_bytes": [
         "collectives='minidist' must send everything through minidist.comm's reduce_scatter "

@@ -202,7 +202,8 @@ class DelegatesToTorch(Plain):  # stage 1's contract handed to torch's ZeroRedun
 # The checks of exercise 06, by a word of their names.
 CHECK6 = {"zero1": "gradients averaged beforehand", "torch": "ZeroRedundancyOptimizer (2 ranks",
           "state": "optimizer state", "reduce": "reduce_gradients=True", "zero2": "ZeRO-2 (reduce",
-          "grad memory": "gradient memory", "bytes": "bytes on the wire"}
+          "grad memory": "gradient memory", "bytes": "bytes on the wire",
+          "accumulator": "find the bug"}
 
 MISTAKES6 = {
     # name: (class, checks that must fail, a phrase each failure message contains)
@@ -226,11 +227,17 @@ def _on_ranks(cls, part, fns, r, n):
     return C6.PARTS[part]({"ShardedOptimizer": cls}, r, n)
 
 
+def _accumulator_on_ranks(cls, fns, r, n):
+    return C6._accumulator_part({"ShardedGradAccumulator": cls}, r, n)
+
+
 @pytest.fixture(scope="module")
 def shared():
     """Every part, for the plain solution and every mistake, in one launch on 2 ranks."""
     import functools
-    parts = {"oracle": C6._oracle_part}
+    parts = {"oracle": C6._oracle_part,  # and the find-the-bug part, fixed and as shipped
+             "accumulator": functools.partial(_accumulator_on_ranks, C6.ReferenceGradAccumulator),
+             "shipped accumulator": functools.partial(_accumulator_on_ranks, E6.ShardedGradAccumulator)}
     for label, cls in SOLUTIONS.items():
         parts.update({f"{label}|{p}": functools.partial(_on_ranks, cls, p)
                       for p in C6.PLAN[2] if p != "oracle"})
@@ -239,6 +246,7 @@ def shared():
 
 def _grade(label, shared, monkeypatch):
     mine = {(p, 2): shared[f"{label}|{p}" if p != "oracle" else p, 2] for p in C6.PLAN[2]}
+    mine["accumulator", 2] = shared["accumulator", 2]
     monkeypatch.setattr(C6, "WORLD_SIZES", (2,))
     monkeypatch.setattr(C6, "_results", lambda impl: mine)
     return G.grade("06", overrides=dict(ShardedOptimizer=SOLUTIONS[label]))
@@ -269,11 +277,25 @@ def test_06_mistake_loses_the_points_of_its_checks(mistake, shared, monkeypatch)
 
 
 def test_06_the_stub_is_graded_without_starting_processes(monkeypatch):
-    def no_launch(*a, **k):
-        raise AssertionError("a stub needs no launch")
-    monkeypatch.setattr(C6.H, "run_all", no_launch)
+    # only the find-the-bug part, shipped code, goes to the ranks
+    plans = []
+
+    def launch(parts, fns, plan, *a, **k):
+        plans.append(plan)
+        return {("accumulator", 2): ("error", "not run in this test")}
+    monkeypatch.setattr(C6.H, "run_all", launch)
     r = G.grade("06")
-    assert r.points == 0 and all(c.message.startswith("not implemented: ") for c in r.checks)
+    assert plans == [{2: ["accumulator"]}] and r.points == 0
+    assert all(c.message.startswith("not implemented: ") for c in r.checks
+               if CHECK6["accumulator"] not in c.name)
+
+
+def test_06_the_shipped_accumulator_keeps_only_the_last_micro_step(shared, monkeypatch):
+    monkeypatch.setattr(C6, "WORLD_SIZES", (2,))
+    monkeypatch.setattr(C6, "_results", lambda impl: {("accumulator", 2): shared["shipped accumulator", 2]})
+    monkeypatch.setitem(G.CHECKS, "06", [c for c in G.checks_of("06") if CHECK6["accumulator"] in c.name])
+    r = G.grade("06")
+    assert r.points == 0 and "only the last micro-step" in r.checks[0].message, r.checks[0].message
 
 
 def test_06_the_layout_written_out_is_minidists():
