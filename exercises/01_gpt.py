@@ -20,6 +20,8 @@ Grade your work with
 
 and see what full marks look like with `python -m exercises.grade 01 --reference`,
 which grades minidist's own implementations (named in REFERENCE below) instead of yours.
+Ask for a hint on the first failing check with `python -m exercises.grade 01 --hint`
+(again for the next one; `--hint K` for the K-th).
 """
 
 from __future__ import annotations
@@ -37,9 +39,7 @@ def count_params(cfg: GPTConfig) -> int:
     Linear and LayerNorm on or off (a LayerNorm always has its gain).
     """
     raise NotImplementedError(
-        "count_params: walk GPT.__init__ in minidist/model.py and add up the shape of "
-        "each Parameter from the config (an nn.Linear(a, b) holds a*b weights and b "
-        "biases; a LayerNorm a gain and, with bias, a bias); the tied head adds nothing")
+        "count_params is not written yet (`python -m exercises.grade 01 --hint` gives a hint)")
 
 
 def flops_per_token(cfg: GPTConfig, seq_len: int) -> int:
@@ -56,8 +56,7 @@ def flops_per_token(cfg: GPTConfig, seq_len: int) -> int:
     Use `seq_len`, not cfg.block_size, for T: a model can train on shorter sequences.
     """
     raise NotImplementedError(
-        "flops_per_token: N is count_params(cfg) less the position table; the attention "
-        "term grows with seq_len (not block_size)")
+        "flops_per_token is not written yet (`python -m exercises.grade 01 --hint` gives a hint)")
 
 
 def mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float | None,
@@ -69,8 +68,7 @@ def mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float | None,
     (None or 0): an MFU against a made-up peak would mislead.
     """
     raise NotImplementedError(
-        "mfu: the FLOP/s the model achieves over the peak FLOP/s of all the devices "
-        "together; None when peak_flops is None or 0")
+        "mfu is not written yet (`python -m exercises.grade 01 --hint` gives a hint)")
 
 
 # Where minidist implements each function; `python -m exercises.grade 01 --reference`

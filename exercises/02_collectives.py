@@ -28,7 +28,7 @@ Rules (enforced in every graded part; a part that breaks one scores 0):
 - Don't deadlock: a rank still busy after 20 seconds is stopped, and the part fails.
 - Any number of ranks and any size, down to one element.
 
-Grade your work with `python -m exercises.grade 02` (about 20 s on a quiet 2-core
+Grade your work with `python -m exercises.grade 02` (about 5 s on a quiet 2-core
 machine: it starts 2 and 3 processes), ask for a hint on the first failing check with
 `python -m exercises.grade 02 --hint` (again for the next one, `--hint K` for the K-th),
 and see what full marks look like with `python -m exercises.grade 02 --reference`.

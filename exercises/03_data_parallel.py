@@ -41,7 +41,7 @@ runs and not others. Fix it so that it gives the same buckets on every rank, eve
 per dtype in order of first appearance, each dtype's parameters bucketed as make_buckets
 does.
 
-Grade your work with `python -m exercises.grade 03` (about 20 s on a quiet 2-core
+Grade your work with `python -m exercises.grade 03` (about 10 s on a quiet 2-core
 machine: it starts 2 and 3 processes), ask for a hint on the first failing check with
 `python -m exercises.grade 03 --hint` (again for the next one, `--hint K` for the K-th),
 and see what full marks look like with `python -m exercises.grade 03 --reference`. A

@@ -41,9 +41,10 @@ work with
 
     python -m exercises.grade 04
 
-(it starts 1 and 2 processes on this machine), and see what full marks look like with
-`python -m exercises.grade 04 --reference`, which grades minidist's own implementation
-(named in REFERENCE below) instead of yours.
+(about 5 s on a quiet 2-core machine: it starts 1 and 2 processes), and see what full
+marks look like with `python -m exercises.grade 04 --reference`, which grades minidist's
+own implementation (named in REFERENCE below) instead of yours. Ask for a hint on the first failing check with
+`python -m exercises.grade 04 --hint` (again for the next one; `--hint K` for the K-th).
 """
 
 from __future__ import annotations
@@ -69,11 +70,7 @@ def accumulate(model, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], wo
     every rank: the sum of every rank's summed losses, divided by N.
     """
     raise NotImplementedError(
-        "accumulate: first N, the unmasked targets (y != -1) of your micro-batches, summed "
-        "over ranks with dist.all_reduce (a float tensor); then for each micro-batch "
-        "backward of its summed loss (reduction='sum') times world_size / N, inside "
-        "ddp.no_sync() for all but the last when ddp is given (contextlib.nullcontext() "
-        "otherwise); return the all-reduced sum of the summed losses over N, as a float")
+        "accumulate is not written yet (`python -m exercises.grade 04 --hint` gives a hint)")
 
 
 # Where minidist implements it; `python -m exercises.grade 04 --reference` grades it

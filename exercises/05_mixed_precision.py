@@ -75,7 +75,7 @@ Rule enforced in every check (a check that breaks it scores 0): no torch.amp.Gra
 
 Find the bug: unscale_shards, at the end of the file, is shipped code with a bug; fix it.
 
-Grade your work with `python -m exercises.grade 05` (about 10 s on a quiet 2-core
+Grade your work with `python -m exercises.grade 05` (about 5 s on a quiet 2-core
 machine: it starts 2 processes once), ask for a hint on the first failing check with
 `python -m exercises.grade 05 --hint` (again for the next one, `--hint K` for the K-th),
 and see what full marks look like with `python -m exercises.grade 05 --reference`. To experiment, compare with GradScaler:

@@ -98,7 +98,7 @@ what you build: the sharding is yours to write.
 Find the bug: ShardedGradAccumulator, at the end of the file, is shipped code with a bug
 (a small ZeRO-2 gradient shard under accumulation); fix it.
 
-Grade your work with `python -m exercises.grade 06` (about 30 s on a quiet 2-core machine:
+Grade your work with `python -m exercises.grade 06` (about 12 s on a quiet 2-core machine:
 it starts 2 and 3 processes), ask for a hint on the first failing check with
 `python -m exercises.grade 06 --hint` (again for the next one, `--hint K` for the K-th),
 and see what full marks look like with `python -m exercises.grade 06 --reference`. A rank

@@ -87,10 +87,13 @@ Grade your work with
 
     python -m exercises.grade 07
 
-(the Muon checks start 2 and 3 processes on this machine: allow half a minute), and see
+(about 6 s on a quiet 2-core machine: the Muon checks start 2 and 3 processes), and see
 what full marks look like with `python -m exercises.grade 07 --reference`, which grades
 minidist's own implementations (named in REFERENCE below) instead of yours. A rank that
 waits more than 20 seconds for the others (a hang) fails its check.
+
+Ask for a hint on the first failing check with `python -m exercises.grade 07 --hint`
+(again for the next one; `--hint K` for the K-th).
 
 To experiment, run a function of your own on several processes with
 `minidist.launch.launch(fn, 2, *args)`: it returns each rank's return value and re-raises a

@@ -106,3 +106,28 @@ def _mfu(impl):
         assert got is None, f"mfu with peak_flops={peak!r}: got {got}, want None (unknown peak)"
 
 
+# Tiered hints, shown one at a time by `python -m exercises.grade 01 --hint` (moved out of the stub, which poses the problem).
+HINTS = {
+    "_count_small": [
+        'count_params: walk GPT.__init__ in minidist/model.py and add up the shape of '
+        'each Parameter from the config (an nn.Linear(a, b) holds a*b weights and b '
+        'biases; a LayerNorm a gain and, with bias, a bias); the tied head adds nothing',
+    ],
+    "_count_presets": [
+        'count_params: walk GPT.__init__ in minidist/model.py and add up the shape of '
+        'each Parameter from the config (an nn.Linear(a, b) holds a*b weights and b '
+        'biases; a LayerNorm a gain and, with bias, a bias); the tied head adds nothing',
+    ],
+    "_flops_exact": [
+        'flops_per_token: N is count_params(cfg) less the position table; the attention'
+        ' term grows with seq_len (not block_size)',
+    ],
+    "_flops_measured": [
+        'flops_per_token: N is count_params(cfg) less the position table; the attention'
+        ' term grows with seq_len (not block_size)',
+    ],
+    "_mfu": [
+        'mfu: the FLOP/s the model achieves over the peak FLOP/s of all the devices '
+        'together; None when peak_flops is None or 0',
+    ],
+}

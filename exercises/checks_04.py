@@ -266,3 +266,48 @@ def _no_sync(impl):
             assert steps[-1] == nb, (
                 f"{where}: the last micro-step all-reduced {steps[-1]} of the {nb} gradient "
                 "buckets, want each once: run the last micro-step outside ddp.no_sync()")
+
+
+# Tiered hints, shown one at a time by `python -m exercises.grade 04 --hint` (moved out of the stub, which poses the problem).
+HINTS = {
+    "_one_rank": [
+        'accumulate: first N, the unmasked targets (y != -1) of your micro-batches, '
+        'summed over ranks with dist.all_reduce (a float tensor); then for each '
+        "micro-batch backward of its summed loss (reduction='sum') times world_size / "
+        'N, inside ddp.no_sync() for all but the last when ddp is given '
+        '(contextlib.nullcontext() otherwise); return the all-reduced sum of the summed'
+        ' losses over N, as a float',
+    ],
+    "_two_ranks_ddp": [
+        'accumulate: first N, the unmasked targets (y != -1) of your micro-batches, '
+        'summed over ranks with dist.all_reduce (a float tensor); then for each '
+        "micro-batch backward of its summed loss (reduction='sum') times world_size / "
+        'N, inside ddp.no_sync() for all but the last when ddp is given '
+        '(contextlib.nullcontext() otherwise); return the all-reduced sum of the summed'
+        ' losses over N, as a float',
+    ],
+    "_two_ranks_plain": [
+        'accumulate: first N, the unmasked targets (y != -1) of your micro-batches, '
+        'summed over ranks with dist.all_reduce (a float tensor); then for each '
+        "micro-batch backward of its summed loss (reduction='sum') times world_size / "
+        'N, inside ddp.no_sync() for all but the last when ddp is given '
+        '(contextlib.nullcontext() otherwise); return the all-reduced sum of the summed'
+        ' losses over N, as a float',
+    ],
+    "_loss": [
+        'accumulate: first N, the unmasked targets (y != -1) of your micro-batches, '
+        'summed over ranks with dist.all_reduce (a float tensor); then for each '
+        "micro-batch backward of its summed loss (reduction='sum') times world_size / "
+        'N, inside ddp.no_sync() for all but the last when ddp is given '
+        '(contextlib.nullcontext() otherwise); return the all-reduced sum of the summed'
+        ' losses over N, as a float',
+    ],
+    "_no_sync": [
+        'accumulate: first N, the unmasked targets (y != -1) of your micro-batches, '
+        'summed over ranks with dist.all_reduce (a float tensor); then for each '
+        "micro-batch backward of its summed loss (reduction='sum') times world_size / "
+        'N, inside ddp.no_sync() for all but the last when ddp is given '
+        '(contextlib.nullcontext() otherwise); return the all-reduced sum of the summed'
+        ' losses over N, as a float',
+    ],
+}

@@ -46,6 +46,7 @@ from types import SimpleNamespace
 import torch
 
 from exercises import _harness as H
+from exercises import _rules
 from exercises.grade import check
 
 TIMEOUT_S = 20.0  # a rank that waits this long for the others is hung; tests lower it
@@ -66,6 +67,14 @@ DROPOUT = 0.1       # in the same-world-size run only: each rank's masks come fr
 # order: equal up to rounding, as in tests/test_zero.py and tests/test_checkpoint.py
 RTOL, ATOL = 1e-5, 1e-6
 CODE = 1_000_000    # pieces_of's oracle: element j of parameter k holds CODE * (k + 1) + j
+
+# The exercise's rules, watched in every check and part while the learner's code runs
+# (exercises/_rules.py): the sharded format is yours, written with torch.save.
+_OWN_FORMAT = ("exercise 08 writes its own sharded checkpoint with torch.save and torch.load, "
+               "not torch.distributed.checkpoint")
+RULES = _rules.Rules(apis={f"torch.distributed.checkpoint.{name}": _OWN_FORMAT
+                           for name in ("save", "load", "save_state_dict", "load_state_dict",
+                                        "async_save")})
 
 
 def _name(step: int) -> str:
@@ -690,7 +699,8 @@ def _results(impl) -> dict:
             return {(p, n): ("notimpl", hint) for n, parts in PLAN.items() for p in parts}
         with tempfile.TemporaryDirectory(prefix="minidist-grade-08-") as root:
             parts = {p: functools.partial(f, root) for p, f in PARTS.items()}
-            return H.run_all(parts, {"save": impl.save, "load": impl.load}, PLAN, TIMEOUT_S, HANG_HINT)
+            return H.run_all(parts, {"save": impl.save, "load": impl.load}, PLAN, TIMEOUT_S,
+                             HANG_HINT, RULES)
     return _CACHE.get((impl.save, impl.load, TIMEOUT_S), compute)  # tests change the last one
 
 
@@ -915,3 +925,110 @@ def reference_save(root, step: int, model, opt):
 def reference_load(path, model, opt) -> int:
     from minidist import checkpoint
     return checkpoint.load(path, model, [opt])["step"]
+
+
+# Tiered hints, shown one at a time by `python -m exercises.grade 08 --hint` (moved out of the stub, which poses the problem).
+HINTS = {
+    "_pieces_one_group": [
+        'pieces_of: order = the layout sorted by group (sorted(layout, key=lambda e: '
+        'e[2]) is stable); total = sum of numels; S = ceil(total / world) (the buffer '
+        'is padded to S * world); lo, hi = rank * S, (rank + 1) * S; offset = 0; for '
+        'name, numel, _ in order: a, b = max(lo, offset), min(hi, offset + numel); if a'
+        ' < b: append (name, a - offset, a, b); offset += numel',
+    ],
+    "_pieces_padded": [
+        'pieces_of: order = the layout sorted by group (sorted(layout, key=lambda e: '
+        'e[2]) is stable); total = sum of numels; S = ceil(total / world) (the buffer '
+        'is padded to S * world); lo, hi = rank * S, (rank + 1) * S; offset = 0; for '
+        'name, numel, _ in order: a, b = max(lo, offset), min(hi, offset + numel); if a'
+        ' < b: append (name, a - offset, a, b); offset += numel',
+    ],
+    "_read_assembles": [
+        "read: out = torch.empty(n, dtype of the key's pieces); have = torch.zeros(n, "
+        'dtype=torch.bool); for s, t in pieces[key]: a, b = max(start, s), min(start + '
+        'n, s + t.numel()); if a < b: out[a - start:b - start] = t[a - s:b - s] and '
+        'mark have[a - start:b - start]; if not have.all(): raise ValueError naming the'
+        ' key and the first missing element; return out',
+    ],
+    "_read_gaps": [
+        "read: out = torch.empty(n, dtype of the key's pieces); have = torch.zeros(n, "
+        'dtype=torch.bool); for s, t in pieces[key]: a, b = max(start, s), min(start + '
+        'n, s + t.numel()); if a < b: out[a - start:b - start] = t[a - s:b - s] and '
+        'mark have[a - start:b - start]; if not have.all(): raise ValueError naming the'
+        ' key and the first missing element; return out',
+    ],
+    "_atomic": [
+        "save: final, tmp = root/f'step_{step:08d}', root/f'.tmp_step_{step:08d}'; rank"
+        ' 0: shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True); '
+        'dist.barrier(); for u in opt.units: flats, scalars = shard_state(opt, u); for '
+        '(name, start, a, b) in pieces_of(layout_of(u, names), rank, world): '
+        "('model/'+name, start, u.flat[a:b].clone()), and ('optim/'+name+'/'+k, start, "
+        'flats[k][a-u.lo:b-u.lo].clone()) for each k; torch.save(those pieces, scalars,'
+        " torch.get_rng_state(), step, world) to tmp/f'rank_{rank:05d}.pt'; barrier; "
+        'rank 0: os.replace(tmp, final); barrier; return final',
+    ],
+    "_bytes": [
+        "save: final, tmp = root/f'step_{step:08d}', root/f'.tmp_step_{step:08d}'; rank"
+        ' 0: shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True); '
+        'dist.barrier(); for u in opt.units: flats, scalars = shard_state(opt, u); for '
+        '(name, start, a, b) in pieces_of(layout_of(u, names), rank, world): '
+        "('model/'+name, start, u.flat[a:b].clone()), and ('optim/'+name+'/'+k, start, "
+        'flats[k][a-u.lo:b-u.lo].clone()) for each k; torch.save(those pieces, scalars,'
+        " torch.get_rng_state(), step, world) to tmp/f'rank_{rank:05d}.pt'; barrier; "
+        'rank 0: os.replace(tmp, final); barrier; return final',
+    ],
+    "_loaded": [
+        "save: final, tmp = root/f'step_{step:08d}', root/f'.tmp_step_{step:08d}'; rank"
+        ' 0: shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True); '
+        'dist.barrier(); for u in opt.units: flats, scalars = shard_state(opt, u); for '
+        '(name, start, a, b) in pieces_of(layout_of(u, names), rank, world): '
+        "('model/'+name, start, u.flat[a:b].clone()), and ('optim/'+name+'/'+k, start, "
+        'flats[k][a-u.lo:b-u.lo].clone()) for each k; torch.save(those pieces, scalars,'
+        " torch.get_rng_state(), step, world) to tmp/f'rank_{rank:05d}.pt'; barrier; "
+        'rank 0: os.replace(tmp, final); barrier; return final',
+        'load: torch.load(f, weights_only=True) each file of the folder; pieces = {key:'
+        ' [(start, t), ...]} from all; with torch.no_grad(): each parameter p, whole: '
+        "p.data.view(-1).copy_(read(pieces, 'model/'+name, 0, p.numel())); for u in "
+        'opt.units: flats = {k: torch.zeros_like(u.shard)} per moment k; for (name, '
+        'start, a, b) in pieces_of(layout_of(u, names), rank, world): '
+        "flats[k][a-u.lo:b-u.lo] = read(pieces, f'optim/{name}/{k}', start, b-a); "
+        'set_shard_state(opt, u, flats, scalars saved); same world size: '
+        "torch.set_rng_state(rank's own); return the step",
+    ],
+    "_continues": [
+        "save: final, tmp = root/f'step_{step:08d}', root/f'.tmp_step_{step:08d}'; rank"
+        ' 0: shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True); '
+        'dist.barrier(); for u in opt.units: flats, scalars = shard_state(opt, u); for '
+        '(name, start, a, b) in pieces_of(layout_of(u, names), rank, world): '
+        "('model/'+name, start, u.flat[a:b].clone()), and ('optim/'+name+'/'+k, start, "
+        'flats[k][a-u.lo:b-u.lo].clone()) for each k; torch.save(those pieces, scalars,'
+        " torch.get_rng_state(), step, world) to tmp/f'rank_{rank:05d}.pt'; barrier; "
+        'rank 0: os.replace(tmp, final); barrier; return final',
+        'load: torch.load(f, weights_only=True) each file of the folder; pieces = {key:'
+        ' [(start, t), ...]} from all; with torch.no_grad(): each parameter p, whole: '
+        "p.data.view(-1).copy_(read(pieces, 'model/'+name, 0, p.numel())); for u in "
+        'opt.units: flats = {k: torch.zeros_like(u.shard)} per moment k; for (name, '
+        'start, a, b) in pieces_of(layout_of(u, names), rank, world): '
+        "flats[k][a-u.lo:b-u.lo] = read(pieces, f'optim/{name}/{k}', start, b-a); "
+        'set_shard_state(opt, u, flats, scalars saved); same world size: '
+        "torch.set_rng_state(rank's own); return the step",
+    ],
+    "_same_world": [
+        "save: final, tmp = root/f'step_{step:08d}', root/f'.tmp_step_{step:08d}'; rank"
+        ' 0: shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True); '
+        'dist.barrier(); for u in opt.units: flats, scalars = shard_state(opt, u); for '
+        '(name, start, a, b) in pieces_of(layout_of(u, names), rank, world): '
+        "('model/'+name, start, u.flat[a:b].clone()), and ('optim/'+name+'/'+k, start, "
+        'flats[k][a-u.lo:b-u.lo].clone()) for each k; torch.save(those pieces, scalars,'
+        " torch.get_rng_state(), step, world) to tmp/f'rank_{rank:05d}.pt'; barrier; "
+        'rank 0: os.replace(tmp, final); barrier; return final',
+        'load: torch.load(f, weights_only=True) each file of the folder; pieces = {key:'
+        ' [(start, t), ...]} from all; with torch.no_grad(): each parameter p, whole: '
+        "p.data.view(-1).copy_(read(pieces, 'model/'+name, 0, p.numel())); for u in "
+        'opt.units: flats = {k: torch.zeros_like(u.shard)} per moment k; for (name, '
+        'start, a, b) in pieces_of(layout_of(u, names), rank, world): '
+        "flats[k][a-u.lo:b-u.lo] = read(pieces, f'optim/{name}/{k}', start, b-a); "
+        'set_shard_state(opt, u, flats, scalars saved); same world size: '
+        "torch.set_rng_state(rank's own); return the step",
+    ],
+}

@@ -287,3 +287,16 @@ def test_08_the_grader_model_has_units_that_pad_and_mix_groups():
         # a unit whose layout (sorted by group) is not its bucket order (the model's, reversed)
         assert any([order[id(p)] for p in u.params] != sorted((order[id(p)] for p in u.params), reverse=True)
                    for u in opt.units)
+
+
+def test_08_torch_distributed_checkpoint_trips_the_rule(tmp_path):
+    # the grader runs every part under RULES: a save through torch's own sharded format
+    # raises there, naming the API and the rule, and the part scores 0
+    import torch.distributed.checkpoint as dcp
+
+    from exercises import _rules
+    with _rules.watch(C8.RULES) as w:
+        with pytest.raises(_rules.RuleBroken, match="writes its own sharded checkpoint"):
+            dcp.save({"w": torch.zeros(2)}, checkpoint_id=str(tmp_path))
+    assert w.broken and "torch.distributed.checkpoint.save" in w.broken[0]
+    assert not list(tmp_path.iterdir())  # nothing written
