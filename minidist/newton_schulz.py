@@ -1,6 +1,6 @@
 """Newton-Schulz: the orthogonalisation inside Muon, one matrix at a time or a batch of
 same-shaped matrices at once, with two coefficient choices. Chapter 07
-(chapters/07_muon.md), sections 2 and 2b. Exercised by:
+(chapters/07_muon.md), section 2. Exercised by:
 
     pytest tests/test_muon.py
     python -m minidist.newton_schulz      # the singular-value band and the batched speedup
