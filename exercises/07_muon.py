@@ -121,11 +121,7 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bf
     a batch), by `steps` steps of the quintic iteration, computed in `dtype` and returned
     in `dtype`. G is not modified."""
     raise NotImplementedError(
-        "newton_schulz: X = G.to(dtype); tall = X.size(-2) > X.size(-1); if tall: X = X.mT; "
-        "reshape to (batch, m, n) with X.reshape(-1, *X.shape[-2:]); X = X / X.norm(dim=(-2, "
-        "-1), keepdim=True).clamp(min=eps); then `steps` times: A = torch.bmm(X, X.mT), B = "
-        "torch.baddbmm(A, A, A, beta=b, alpha=c), X = torch.baddbmm(X, B, X, beta=a); "
-        "reshape back to the batch shape and return X.mT if tall else X")
+        "newton_schulz is not written yet (`python -m exercises.grade 07 --hint` gives a hint)")
 
 
 # ============================================================================ part (b)
@@ -173,22 +169,14 @@ class Muon(torch.optim.Optimizer):
         self.state[p]["momentum_buffer"]) with p.grad and return the orthogonalised
         (Nesterov) momentum, in self.ns_dtype."""
         raise NotImplementedError(
-            "_update: buf = self.state[p].setdefault('momentum_buffer', torch.zeros_like(p)); "
-            "buf.lerp_(p.grad, 1 - g['momentum']); M = p.grad.lerp(buf, g['momentum']) if "
-            "g['nesterov'] else buf; return ns_reference(M, g['ns_steps'], self.ns_dtype)")
+            "_update is not written yet (`python -m exercises.grade 07 --hint` gives a hint)")
 
     @torch.no_grad()
     def step(self, closure=None):
         """One Muon step of every parameter that has a gradient; on N ranks each matrix's
         update is computed by its owner only and all-gathered to every rank."""
         raise NotImplementedError(
-            "step: rank, world = self._world(); items = [(p, g) for g in self.param_groups "
-            "for p in g['params']]. One rank: self._apply(p, self._update(p, g), g) for each p "
-            "with a grad. N ranks: sort the items by cost, largest first, in rounds of N; per "
-            "round send = zeros(1 + largest numel, ns_dtype); rank r, owner of the round's "
-            "r-th item, writes [1, update.flatten()] if it has a grad; every rank, every round: "
-            "dist.all_gather(recv, send, group=self.group, async_op=True); then wait, and "
-            "self._apply(p, recv[r][1:1 + p.numel()], g) where recv[r][0] == 1")
+            "step is not written yet (`python -m exercises.grade 07 --hint` gives a hint)")
 
 
 # Where minidist implements each; `python -m exercises.grade 07 --reference` grades these
