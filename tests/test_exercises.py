@@ -5,6 +5,7 @@ covered here without editing this file. Graded by `python -m exercises.grade`.
 """
 
 import importlib
+import os
 import re
 import subprocess
 import sys
@@ -91,6 +92,27 @@ def test_cli_stubs_score_zero_and_still_exit_0():
     n, pts = len(G.checks_of("01")), sum(c.points for c in G.checks_of("01"))
     assert _table_row(p.stdout, "01_gpt") == ["01_gpt", f"0/{n}", "0", str(pts)]
     assert "not implemented" in p.stdout
+
+
+@pytest.mark.parametrize("nn", EXERCISES)
+def test_every_check_of_an_exercise_with_hints_has_them(nn):
+    G.checks_of(nn)
+    if not hasattr(sys.modules[f"exercises.checks_{nn}"], "HINTS") and nn > "08":
+        pytest.skip(f"exercise {nn} declares no HINTS yet")
+    assert all(G.hints_of(nn, c) for c in G.checks_of(nn)), [c.name for c in G.checks_of(nn)
+                                                             if not G.hints_of(nn, c)]
+
+
+def test_cli_hint_shows_the_next_hint_of_the_first_failing_check(tmp_path):
+    env = {**os.environ, "MINIDIST_HINT_STATE": str(tmp_path / "hints.json")}
+    run = lambda *a: subprocess.run([sys.executable, "-m", "exercises.grade", *a], cwd=ROOT,  # noqa: E731
+                                    capture_output=True, text=True, timeout=300, env=env)
+    first, second, again = run("01", "--hint"), run("01", "--hint"), run("01", "--hint", "1")
+    assert "Hint 1 of" in first.stdout and "count_params" in first.stdout, first.stdout + first.stderr
+    assert "Hint 2 of" in second.stdout or "Hint 1 of 1" in second.stdout, second.stdout
+    assert "Hint 1 of" in again.stdout
+    assert (tmp_path / "hints.json").exists()
+    assert run("01", "02", "--hint").returncode == 2  # one exercise at a time
 
 
 def test_cli_unknown_exercise_fails_with_the_list():
