@@ -121,11 +121,14 @@ def collective_time(op: str, nbytes: float, n: int, hw: Hardware) -> float:
     return MESSAGES[hw.latency][op](n) * alpha + SENT_FRACTION[op](n) * nbytes * beta
 
 
-def comm_volume(strategy: str, psi: float, n: int, elem_bytes: int = 2) -> float:
-    """Bytes each GPU sends per step: 2 Psi (N-1)/N elements for data parallelism and
-    ZeRO-1/2 (a reduce-scatter plus an all-gather is an all-reduce), 3 Psi (N-1)/N for
-    ZeRO-3 (parameters gathered in forward and again in backward, gradients scattered)."""
-    factor = 3 if strategy == "zero3" else 2
+def comm_volume(strategy: str, psi: float, n: int, elem_bytes: int = 2, accum: int = 1) -> float:
+    """Bytes each GPU sends per optimizer step of `accum` micro-steps: 2 Psi (N-1)/N
+    elements for data parallelism and ZeRO-1 (a reduce-scatter plus an all-gather is an
+    all-reduce; accumulation communicates in the last micro-step only), (accum + 1)
+    Psi (N-1)/N for ZeRO-2 (its gradients are reduce-scattered every micro-step), 3 accum
+    Psi (N-1)/N for ZeRO-3 (parameters gathered in forward and again in backward,
+    gradients scattered, every micro-step)."""
+    factor = {"dp": 2, "zero1": 2, "zero2": accum + 1, "zero3": 3 * accum}[strategy]
     return factor * psi * (n - 1) / n * elem_bytes
 
 

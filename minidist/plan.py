@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minidist.cost_model import MODELS
+from minidist.cost_model import MODELS, STRATEGIES, comm_volume
 from minidist.memory import GB, step_memory
 from minidist.model import GPT, PRESETS, GPTConfig, config_num_params, flops_per_token
 from minidist.recompute import set_activation_checkpointing
@@ -71,9 +71,9 @@ def _gb(nbytes: float) -> str:
 
 
 def comm_bytes(stage: int, accum: int, psi: int, world: int, elem: int = 4) -> float:
-    """Bytes each rank sends per optimizer step (fp32 gradients on the wire, as minidist)."""
-    share = psi * (world - 1) / world * elem
-    return {0: 2, 1: 2, 2: accum + 1, 3: 3 * accum}[stage] * share
+    """Bytes each rank sends per optimizer step (fp32 on the wire, as minidist sends):
+    cost_model's formula, which counts the micro-steps of each stage."""
+    return comm_volume(STRATEGIES[stage], psi, world, elem_bytes=elem, accum=accum)
 
 
 def default_budget_gb(device: str) -> float:

@@ -54,6 +54,12 @@ def test_bytes_sent_per_step_are_the_rings_volumes(strategy):
         # and the step's own bookkeeping, summed over buckets or layers, says the same
         sent = cm.step_time(cfg, strategy, n, cm.Hardware(), micro_batch=2, bucket_MB=0.01)["bytes_sent"]
         assert sent == pytest.approx(expected, rel=1e-12, abs=1e-9)
+        # k micro-steps: DP and ZeRO-1 communicate in the last one only; ZeRO-2 reduce-scatters
+        # every micro-step's gradients; ZeRO-3 runs its whole exchange every micro-step
+        k = 3
+        per_k = {"dp": ar(n) * S, "zero1": rs(n) * S + ag(n) * S, "zero2": k * rs(n) * S + ag(n) * S,
+                 "zero3": k * (2 * ag(n) * S + rs(n) * S)}[strategy]
+        assert cm.comm_volume(strategy, psi, n, accum=k) == pytest.approx(per_k, rel=1e-12, abs=1e-9)
 
 
 def test_a_free_network_scales_perfectly():
