@@ -32,6 +32,33 @@ RULES = _rules.Rules(apis={f"torch.utils.checkpoint.{name}": RULE for name in (
     "checkpoint", "checkpoint_sequential", "_checkpoint_without_reentrant_generator")})
 
 
+# tiered hints, gentlest first (python -m exercises.grade 09 --hint), by check function
+HINTS = {
+    "check_gradients": [
+        "Pass the block's parameters to apply as inputs: F.apply(fn, x, *fn.__self__.parameters()); "
+        "backward then returns one gradient per input of forward (None for fn).",
+        "backward: x = x.detach().requires_grad_(); with torch.enable_grad(): y = ctx.fn(x); "
+        "grads = torch.autograd.grad(y, [x, *params], grad_y, allow_unused=True); "
+        "return (None, *grads).",
+    ],
+    "check_saved_bytes": [
+        "Inside Function.forward autograd is off, so fn(x) records no graph; "
+        "ctx.save_for_backward(x) is then the only thing kept.",
+        "Calling fn(x) outside a Function, or saving fn's output or intermediates, keeps them all.",
+    ],
+    "check_dropout": [
+        "In forward: ctx.rng = torch.get_rng_state() (and torch.cuda.get_rng_state(x.device) on a GPU).",
+        "In backward: with torch.random.fork_rng(): torch.set_rng_state(ctx.rng); then recompute. "
+        "fork_rng puts the run's own stream back afterwards.",
+    ],
+    "check_autocast": [
+        "Backward runs outside the forward's torch.autocast block: record the state in forward.",
+        "kind = x.device.type; ctx.amp = (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)); "
+        "in backward: with torch.autocast(kind, dtype=dtype, enabled=on): recompute.",
+    ],
+}
+
+
 @contextlib.contextmanager
 def _forbid_torch_checkpoint():
     """The learner's code runs here; a call of torch.utils.checkpoint fails the check,
