@@ -81,6 +81,7 @@ class Muon(torch.optim.Optimizer):
                                      f"{tuple(p.shape)}: give it to AdamW (see muon.split_params)")
         self.ns_dtype, self.group, self.bucket_mb, self.batched = ns_dtype, group, bucket_mb, batched
         self.steps_taken = 0  # check_routing reads it: did Muon run at all?
+        self.before_step = None  # under ZeRO: brings the gradients to their owners (zero/muon.py)
 
     def _world(self) -> tuple[int, int]:
         if self.group is None and not (dist.is_available() and dist.is_initialized()):
@@ -154,6 +155,8 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.before_step is not None:
+            self.before_step()
         self.steps_taken += 1
         rank, world = self._world()
         items = [(p, g) for g in self.param_groups for p in g["params"]]

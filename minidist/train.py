@@ -20,13 +20,16 @@ import torch.distributed as dist
 from minidist.ddp import DDP, FlatDDP, NaiveDDP
 from minidist.muon import Muon, split_params
 from minidist.scaler import LossScaler, autocast
-from minidist.zero import zero_optimizer
+from minidist.zero import MuonUnderZero, zero_optimizer
 
 
 def make_optimizers(model, args) -> list[torch.optim.Optimizer]:
     """AdamW (weight decay on matrices only), sharded by ZeRO when asked; or Muon for the
-    hidden matrices plus AdamW for embeddings, head, gains and biases. Each group
+    hidden matrices plus AdamW for embeddings, head, gains and biases (under ZeRO stages
+    1-2 AdamW's in the shards, Muon's matrices whole: gradient_sync joins them). Each group
     remembers its peak lr."""
+    if args.optimizer == "muon" and args.zero_stage == 3:
+        raise ValueError("Muon under ZeRO-3 is not built yet: use --zero-stage 1 or 2")
     hidden, rest = split_params(model) if args.optimizer == "muon" else ([], list(model.parameters()))
     groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": args.weight_decay},
               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
@@ -48,9 +51,12 @@ def make_optimizers(model, args) -> list[torch.optim.Optimizer]:
 def gradient_sync(model, opts, args):
     """What averages the gradients across ranks, behind the gradient-sync interface of
     minidist/ddp.py (no_sync, finish_gradient_synchronization, clip_grad_norm_): under
-    ZeRO the optimizer itself (it reduce-scatters them); otherwise DDP as --dp asks."""
+    ZeRO the optimizer itself (it reduce-scatters them), with Muon beside it
+    MuonUnderZero (AdamW's shards, and Muon's matrices reduce-scattered to their owners);
+    otherwise DDP as --dp asks."""
     if args.zero_stage:
-        return opts[0]
+        muons = [o for o in opts if isinstance(o, Muon)]
+        return MuonUnderZero(opts[0], muons[0]) if muons else opts[0]
     if args.dp == "naive":
         return NaiveDDP(model)
     if args.dp == "flat":

@@ -12,6 +12,8 @@ Read in this order:
                 its units are buckets, as DDP's
     stage3.py   FullyShardedOptimizer: ZeRO-3 (also parameters, gathered per block);
                 its units are the transformer blocks and the root
+    muon.py     MuonUnderZero: Muon's whole matrices beside the shards of stages 1-2
+                (chapter 07), gradients reduce-scattered to each matrix's owner
 and zero_optimizer below, the one entry point for all three stages. Each stage's
 constructor builds its own units, then hands them to ZeroBase. `bucket_cap_mb` means what
 it means for DDP at every stage (minidist.ddp.make_buckets: about that many MiB per unit,
@@ -23,10 +25,11 @@ from __future__ import annotations
 import torch.nn as nn
 
 from minidist.zero.layout import _Unit
+from minidist.zero.muon import MuonUnderZero
 from minidist.zero.stage12 import ShardedOptimizer
 from minidist.zero.stage3 import FullyShardedOptimizer
 
-__all__ = ["ShardedOptimizer", "FullyShardedOptimizer", "zero_optimizer", "_Unit"]
+__all__ = ["ShardedOptimizer", "FullyShardedOptimizer", "zero_optimizer", "MuonUnderZero", "_Unit"]
 
 
 def zero_optimizer(model: nn.Module, param_groups, optimizer_class, stage: int, **kwargs):

@@ -130,13 +130,19 @@ class ZeroBase:
         """Clip by the global norm of the averaged gradient, as clip_grad_norm_ on the full
         gradients would: the squares of the shards summed over ranks (padding is zero)."""
         self.finish_gradient_synchronization()
-        sq = sum(u.grad_shard.double().square().sum() for u in self.units).reshape(1)
+        sq = self._grad_square_sum().reshape(1)
         dist.all_reduce(sq, group=self.group)
         norm = sq.sqrt().float()[0]
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        self._scale_grads((max_norm / (norm + 1e-6)).clamp(max=1.0))
+        return norm
+
+    def _grad_square_sum(self) -> torch.Tensor:
+        """This rank's part of the squared norm: its shards' (float64, to sum across ranks)."""
+        return sum(u.grad_shard.double().square().sum() for u in self.units)
+
+    def _scale_grads(self, scale: torch.Tensor) -> None:
         for u in self.units:
             u.grad_shard.mul_(scale)
-        return norm
 
     # ---- what this rank holds ---------------------------------------------------------
 

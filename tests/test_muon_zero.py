@@ -1,0 +1,189 @@
+"""Muon under ZeRO stages 1 and 2 (minidist/zero/muon.py): Muon+AdamW with AdamW's state
+and gradients in ZeRO's shards and Muon's matrices reduce-scattered to their owners equals
+one process's Muon+AdamW on the same global batch, at 2 and 3 ranks (3 does not divide the
+tiny GPT's 8 hidden matrices, of 4 shapes), with 1 and 2 micro-steps, clipping, fp32 and
+fp16 with the loss scaler; a run resumed from a checkpoint equals the uninterrupted one;
+and train_gpt --optimizer muon --zero-stage 2 on 2 ranks follows one process."""
+
+import argparse
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from helpers import micro_batches, tiny_gpt, token_batch
+from minidist import checkpoint, train_gpt
+from minidist.muon import Muon, check_routing, split_params
+from minidist.scaler import LossScaler, autocast
+from minidist.train import forward_backward, gradient_sync, make_optimizers
+
+BATCH, SEQ, VOCAB, STEPS, CLIP = 12, 16, 64, 3, 0.5  # 12 sequences: split by 2 or 3 ranks x 1 or 2
+# (stage, micro-steps, precision): every fp32 combination, and fp16 with the loss scaler
+CASES = [(s, k, "fp32") for s in (1, 2) for k in (1, 2)] + [(2, 2, "fp16")]
+
+
+def _args(stage):
+    return argparse.Namespace(optimizer="muon", weight_decay=0.1, lr=1e-2, zero_stage=stage,
+                              bucket_cap_mb=0.01, muon_lr=0.02, muon_momentum=0.95,
+                              muon_weight_decay=0.01, dp="bucketed")
+
+
+def _tune(opts):
+    """Settings both sides share. fp32 Newton-Schulz: bf16 would round a last-bit difference
+    in the averaged gradient into a visible one. AdamW's eps 1e-4: the key projection's bias
+    has an exactly zero gradient (softmax ignores a shift shared by all keys), so what
+    arrives is rounding noise, which eps 1e-8 would blow up to +-lr differently for each
+    summation order."""
+    for o in opts:
+        if isinstance(o, Muon):
+            o.ns_dtype = torch.float32
+        for g in o.param_groups:
+            if "eps" in g:
+                g["eps"] = 1e-4
+
+
+def _scaler(precision):
+    return LossScaler(init_scale=2.0**12, enabled=precision == "fp16")
+
+
+def _train(model, opts, sync, scaler, precision, k, first, last):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    norms = []
+    for step in range(first, last):
+        micro = micro_batches(*token_batch(step, BATCH, SEQ, VOCAB), rank, world, k)
+        forward_backward(model, micro, world, sync, scaler, precision)
+        for o in opts:
+            scaler.unscale_(o)
+        norms.append(sync.clip_grad_norm_(CLIP).item())
+        for o in opts:
+            scaler.step(o)
+            o.zero_grad(set_to_none=True)
+        scaler.update()
+        if step == 0:
+            check_routing(model, opts)
+    return norms
+
+
+def _ranks(cases):
+    torch.set_num_threads(1)  # as the oracle: fp32 matmul sums in an order set by threads
+    out = {}
+    for stage, k, precision in cases:
+        model = tiny_gpt(0)
+        opts = make_optimizers(model, _args(stage))
+        _tune(opts)
+        sync, scaler = gradient_sync(model, opts, _args(stage)), _scaler(precision)
+        norms = _train(model, opts, sync, scaler, precision, k, 0, STEPS)
+        views = [v for g in sync.zero.param_groups for v in g["params"]]
+        state = {**sync.state_bytes(), "held": sum(v.numel() for v in views), "views": len(views)}
+        out[stage, k, precision] = ({n: p.detach().clone() for n, p in model.named_parameters()},
+                                    norms, scaler.skipped_steps, state)
+    return out
+
+
+def _oracle(precision):
+    """One process, the whole global batch in one backward, torch's AdamW and Muon."""
+    model = tiny_gpt(0)
+    hidden, rest = split_params(model)
+    opts = [torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": 0.1},
+                               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
+                              lr=1e-2, betas=(0.9, 0.95), eps=1e-8),
+            Muon(hidden, lr=0.02, momentum=0.95, weight_decay=0.01)]
+    _tune(opts)
+    scaler, norms = _scaler(precision), []
+    for step in range(STEPS):
+        x, y = token_batch(step, BATCH, SEQ, VOCAB)
+        with autocast("cpu", precision):
+            _, loss = model(x, y)
+        scaler.scale(loss.float()).backward()
+        for o in opts:
+            scaler.unscale_(o)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        for o in opts:
+            scaler.step(o)
+            o.zero_grad(set_to_none=True)
+        scaler.update()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms, scaler.skipped_steps
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_muon_under_zero_equals_one_process(world, pool):
+    """fp32: 2e-6 absolute on parameters of size about 0.02-1 after 3 steps (measured: at
+    most 4e-7). The only difference from the oracle is the order in which the averaged
+    gradients are summed (a reduce-scatter over ranks and micro-steps against one backward
+    over the batch), a few fp32 ulps, which AdamW's division by sqrt(v) and Newton-Schulz
+    pass on a little amplified. fp16 with the loss scaler: the forward's fp16 roundings
+    differ with the batch's split too (matmuls of 6 or 4 sequences against 12), so 2e-3
+    (measured: at most 4e-4)."""
+    results = pool(world).run(_ranks, CASES)  # the session's ranks (tests/conftest.py)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        oracles = {p: _oracle(p) for p in ("fp32", "fp16")}
+    finally:
+        torch.set_num_threads(threads)
+    for case in CASES:
+        want, want_norms, want_skipped = oracles[case[2]]
+        tol = 2e-6 if case[2] == "fp32" else 2e-3
+        for rank, r in enumerate(results):
+            params, norms, skipped, state = r[case]
+            assert skipped == want_skipped, case
+            assert norms == pytest.approx(want_norms, rel=tol), case
+            assert max(norms) > CLIP  # clipping did bite
+            for n, p in params.items():
+                torch.testing.assert_close(p, want[n], atol=tol, rtol=0, msg=lambda m: f"{case} {n}: {m}")
+            assert all(torch.equal(params[n], results[0][case][0][n]) for n in params)  # replicas agree
+    # optimizer state per rank: Muon's momentum of the matrices it owns (dealt largest first,
+    # one per rank per round); AdamW's two fp32 moments of the elements of its shard (a step
+    # count per tensor of the inner AdamW too), each of AdamW's elements held by one rank
+    hidden, rest = split_params(tiny_gpt(0))
+    dealt = [hidden[i] for i in Muon._deal([(p, None) for p in hidden])]
+    states = [r[1, 1, "fp32"][3] for r in results]
+    for rank, state in enumerate(states):
+        assert state["muon"] == sum(p.numel() * 4 for p in dealt[rank::world])
+        assert state["adamw"] == 8 * state["held"] + 4 * state["views"]
+    assert sum(s["held"] for s in states) == sum(p.numel() for p in rest)
+
+
+def _resume(tmp, stage):
+    torch.set_num_threads(1)
+    runs = []
+    for cut in (None, 2):  # uninterrupted; then stopped after step 2 and resumed
+        model = tiny_gpt(0)
+        opts = make_optimizers(model, _args(stage))
+        _tune(opts)
+        sync, scaler = gradient_sync(model, opts, _args(stage)), _scaler("fp32")
+        if cut is None:
+            _train(model, opts, sync, scaler, "fp32", 2, 0, 4)
+        else:
+            _train(model, opts, sync, scaler, "fp32", 2, 0, cut)
+            checkpoint.save(tmp, cut, model, opts, scaler)
+            model = tiny_gpt(1)  # other weights: all must come from the checkpoint
+            opts = make_optimizers(model, _args(stage))
+            _tune(opts)
+            sync, scaler = gradient_sync(model, opts, _args(stage)), _scaler("fp32")
+            assert checkpoint.load(f"{tmp}/step_{cut:08d}", model, opts, scaler)["step"] == cut
+            _train(model, opts, sync, scaler, "fp32", 2, cut, 4)
+        runs.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return runs
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_resume_equals_the_uninterrupted_run(stage, pool, tmp_path):
+    """Same world size, same stage: every piece comes back, so to the bit."""
+    for full, resumed in pool(2).run(_resume, str(tmp_path / f"s{stage}"), stage):
+        for n in full:
+            assert torch.equal(full[n], resumed[n]), n
+
+
+def test_train_gpt_muon_zero2_two_ranks_follows_one(tmp_path, pool):
+    argv = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seq-len", "32",
+            "--tokenizer", "gpt2-512", "--lr", "3e-3", "--warmup-steps", "2", "--eval-windows",
+            "8", "--final-eval-windows", "32", "--sample-tokens", "4", "--log-interval", "1",
+            "--device", "cpu", "--steps", "6", "--batch-size", "8", "--eval-interval", "100",
+            "--optimizer", "muon", "--grad-clip", "1.0", "--out-dir", str(tmp_path)]
+    one = train_gpt.main(argv)
+    two = pool(2).run(train_gpt.main, argv + ["--zero-stage", "2"])
+    losses = lambda s: [r["loss"] for r in s["rows"] if "loss" in r]
+    for s in two:  # bf16 Newton-Schulz rounds the few-ulp differences of the sums: 1e-4
+        assert losses(s) == pytest.approx(losses(one), rel=1e-4)
+    assert losses(one)[-1] < losses(one)[0]
