@@ -2,7 +2,9 @@
 and gradients in ZeRO's shards and Muon's matrices reduce-scattered to their owners equals
 one process's Muon+AdamW on the same global batch, at 2 and 3 ranks (3 does not divide the
 tiny GPT's 8 hidden matrices, of 4 shapes), with 1 and 2 micro-steps, clipping, fp32 and
-fp16 with the loss scaler; a run resumed from a checkpoint equals the uninterrupted one;
+fp16 with the loss scaler; a run resumed from a checkpoint equals the uninterrupted one,
+to the bit on the same world size and stage, and resharded 2 ranks ZeRO-2 -> 3 ranks ZeRO-1
+-> one process;
 and train_gpt --optimizer muon --zero-stage 2 on 2 ranks follows one process."""
 
 import argparse
@@ -173,6 +175,36 @@ def test_resume_equals_the_uninterrupted_run(stage, pool, tmp_path):
     for full, resumed in pool(2).run(_resume, str(tmp_path / f"s{stage}"), stage):
         for n in full:
             assert torch.equal(full[n], resumed[n]), n
+
+
+def _reshard(load_from, first, last, stage, save_to=None, then_to=None):
+    """Steps [first, last) at `stage` (loading before, saving after), then on to `then_to`
+    without stopping; returns the parameters at the end."""
+    torch.set_num_threads(1)
+    model = tiny_gpt(0 if load_from is None else 1)  # a resumed run's weights must all be loaded
+    opts = make_optimizers(model, _args(stage))
+    _tune(opts)
+    sync, scaler = gradient_sync(model, opts, _args(stage)), _scaler("fp32")
+    if load_from:
+        checkpoint.load(load_from, model, opts, scaler)
+    _train(model, opts, sync, scaler, "fp32", 2, first, last)
+    if save_to:
+        checkpoint.save(save_to, last, model, opts, scaler)
+    if then_to:
+        _train(model, opts, sync, scaler, "fp32", 2, last, then_to)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_reshard_between_world_sizes_and_stages(pool, tmp_path):
+    """2 ranks at ZeRO-2 save after step 2 (and run on to step 4); 3 ranks at ZeRO-1 resume
+    and save after step 3; one process without ZeRO finishes step 4: equal to the
+    uninterrupted run up to summation order (the resharding tests' 1e-5, 1e-6)."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    full = pool(2).run(_reshard, None, 0, 2, 2, a, 4)[0]
+    pool(3).run(_reshard, f"{a}/step_00000002", 2, 3, 1, b)
+    resumed = pool(1).run(_reshard, f"{b}/step_00000003", 3, 4, 0)[0]
+    for n, p in full.items():
+        torch.testing.assert_close(resumed[n], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
 
 def test_train_gpt_muon_zero2_two_ranks_follows_one(tmp_path, pool):
