@@ -4,8 +4,7 @@ one process's Muon+AdamW on the same global batch, at 2 and 3 ranks (3 does not 
 tiny GPT's 8 hidden matrices, of 4 shapes), with 1 and 2 micro-steps, clipping, fp32 and
 fp16 with the loss scaler; a run resumed from a checkpoint equals the uninterrupted one,
 to the bit on the same world size and stage, and resharded 2 ranks ZeRO-2 -> 3 ranks ZeRO-1
--> one process;
-and train_gpt --optimizer muon --zero-stage 2 on 2 ranks follows one process."""
+-> one process; bytes sent and state per rank match their formulas; and train_gpt --optimizer muon --zero-stage 2 on 2 ranks follows one process."""
 
 import argparse
 
@@ -205,6 +204,79 @@ def test_reshard_between_world_sizes_and_stages(pool, tmp_path):
     resumed = pool(1).run(_reshard, f"{b}/step_00000003", 3, 4, 0)[0]
     for n, p in full.items():
         torch.testing.assert_close(resumed[n], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def _bytes_and_state():
+    """One step of train_gpt's default CPU model (tiny preset, vocabulary 2048) under ZeRO-1
+    and 2, AdamW alone and Muon + AdamW: bytes this rank sends, by collective (ZeRO's ring
+    collectives counted by minidist.comm; Muon's two, torch's, counted from their buffers
+    as a ring sends them, (N - 1)/N of the whole), and its optimizer state."""
+    N, sent = dist.get_world_size(), {}
+    rs, ag = dist.reduce_scatter_single, dist.all_gather_single
+
+    def counted(name, real, which):
+        def collective(out, inp, *a, **k):
+            t = inp if which == "in" else out
+            sent[name] = sent.get(name, 0) + t.numel() * t.element_size() * (N - 1) // N
+            return real(out, inp, *a, **k)
+        return collective
+    dist.reduce_scatter_single = counted("muon_reduce_scatter", rs, "in")
+    dist.all_gather_single = counted("muon_all_gather", ag, "out")
+    try:  # (the pool's processes live on: put torch's functions back whatever happens)
+        return _measure(N, sent)
+    finally:
+        dist.reduce_scatter_single, dist.all_gather_single = rs, ag
+
+
+def _measure(N, sent):
+    from minidist import comm
+    from minidist.model import GPT, PRESETS, GPTConfig
+    from minidist.zero import MuonUnderZero, zero_optimizer
+    out = {}
+    for optimizer in ("adamw", "muon"):
+        for stage in (1, 2):
+            torch.manual_seed(0)
+            model = GPT(GPTConfig(**{**PRESETS["tiny"], "vocab_size": 2048}))
+            hidden, rest = split_params(model) if optimizer == "muon" else ([], list(model.parameters()))
+            zero = zero_optimizer(model, [{"params": rest}], torch.optim.AdamW, stage,
+                                  collectives="minidist", lr=1e-3)
+            opts, sync = [zero], zero
+            if hidden:
+                opts.append(Muon(hidden))
+                sync = MuonUnderZero(zero, opts[1])
+            x = torch.randint(0, 2048, (2, 128))
+            sent.clear()
+            with comm.count_bytes() as c:
+                forward_backward(model, [(x, torch.roll(x, -1, 1))], N, sync)
+                for o in opts:
+                    o.step()
+            state = sync.state_bytes() if hidden else {"adamw": zero._state_bytes(), "muon": 0}
+            out[optimizer, stage] = dict(zero=sum(c.values()), **sent, **state,
+                                         psi_muon=sum(p.numel() for p in hidden),
+                                         psi_adamw=sum(p.numel() for p in rest))
+    return out
+
+
+def test_bytes_and_state_per_rank_match_the_formulas(pool):
+    """Per rank and step, N = 2: AdamW under ZeRO-1/2 sends 2 (N-1)/N 4 Psi; with Muon, ZeRO
+    sends 2 (N-1)/N 4 Psi_adamw, Muon's reduce-scatter (N-1)/N 4 Psi_muon and its all-gather
+    (N-1)/N 2 Psi_muon (bf16 updates), each plus one flag per round and the padding of
+    rounds of unequal matrices (none here: the deal pairs equal shapes), so Muon's run sends
+    less than AdamW's. State: Muon's momentum of the owned matrices (4 Psi_muon / N here,
+    16 matrices of 4 shapes dealt evenly), AdamW's 8 bytes per element of its shard."""
+    N = 2
+    for r in pool(N).run(_bytes_and_state):
+        for stage in (1, 2):
+            a, m = r["adamw", stage], r["muon", stage]
+            assert "muon_reduce_scatter" not in a
+            near = lambda got, want: want <= got <= want * 1.001 + 64  # ZeRO's padding, the flags
+            assert near(a["zero"], 2 * (N - 1) / N * 4 * a["psi_adamw"])
+            assert near(m["zero"], 2 * (N - 1) / N * 4 * m["psi_adamw"])
+            assert near(m["muon_reduce_scatter"], (N - 1) / N * 4 * m["psi_muon"])
+            assert near(m["muon_all_gather"], (N - 1) / N * 2 * m["psi_muon"])
+            assert m["zero"] + m["muon_reduce_scatter"] + m["muon_all_gather"] < a["zero"]
+            assert m["muon"] == 4 * m["psi_muon"] / N
+            assert near(m["adamw"], 8 * m["psi_adamw"] / N) and near(a["adamw"], 8 * a["psi_adamw"] / N)
 
 
 def test_train_gpt_muon_zero2_two_ranks_follows_one(tmp_path, pool):
