@@ -46,49 +46,32 @@ beforehand, by DDP), or averaging the gradients itself (reduce_gradients=True, s
     opt = ShardedOptimizer(groups, torch.optim.AdamW, stage=2, lr=1e-3)      # no DDP
     loss.backward(); opt.step(); opt.zero_grad()
 
-Rules (the grader checks each):
-- One inner optimizer, `optimizer_class(shard_groups, **defaults)`, on views of this
-  rank's shards only: for param group i, the tensors u.shard[a:b] for each unit with
-  (a, b) = u.ranges[i], each with .grad = u.grad_shard[a:b] (set once, in __init__:
-  the inner optimizer then reads the averaged gradient shard wherever you write it),
-  and the group's own hyperparameters (weight_decay, lr, ...). A group with no element
-  on this rank gets a placeholder: an empty tensor with an empty .grad. So
-  param_groups[i] is the i-th group passed in, on every rank, and a scheduler's
-  `g["lr"] = ...` reaches the parameters it means.
-- step(): (stage 1 without reduce_gradients) copy this rank's slice of the already
-  averaged local gradients into u.grad_shard; step the inner optimizer; all-gather
-  every unit (u.shard from every rank into u.flat), so every rank ends the step with
-  every parameter. Start all the all-gathers, then wait for them.
-- reduce_gradients=True (stage=2 implies it): a post-accumulate-grad hook on every
-  trainable parameter (registered for you) counts completed gradients. Stage 1 reduces
-  after backward: every unit at its end. Stage 2 reduces a unit as soon as its last
-  gradient is complete, during backward. Reducing a unit: take u.flat_grads(), free the
-  full-size gradients (p.grad = None for its parameters), start a reduce-scatter that
-  AVERAGES over ranks (a sum would be N times the gradient of the batch's mean loss)
-  into a new tensor shaped like u.grad_shard, and remember it. When backward ends (a callback queued from the
-  first hook of each backward), reduce the units not reduced yet (stage 1: all; stage
-  2: any with a parameter that got no gradient), wait for every reduce-scatter, add each
-  result into u.grad_shard (+=: micro-steps of gradient accumulation add up) and reset
-  for the next backward. Every rank issues the same collectives in the same order.
-- Gradient accumulation: inside no_sync() (written for you) stage 1 reduces nothing and
-  lets p.grad accumulate; stage 2 reduces every micro-step anyway (it keeps no full
-  gradient to accumulate into).
-- collectives="minidist": use minidist.comm's reduce_scatter and all_gather (the ring of
-  chapter 02, synchronous: no work to wait for), so that minidist.comm.count_bytes
-  counts what goes on the wire; "torch": dist.reduce_scatter_single and
-  dist.all_gather_single with async_op=True, group=self.group.
-- zero_grad() zeroes u.grad_shard in place (the inner optimizer's .grad views point
-  into it) and sets every p.grad to None.
+The contract (what the grader checks):
+- Training equals one process on the whole batch (float32, up to rounding) on 2 and 3
+  ranks, with AdamW and with SGD with momentum, with and without gradient accumulation
+  (no_sync(), written for you), and equals torch's ZeroRedundancyOptimizer at stage 1.
+- param_groups[i] is the i-th group passed in, with its own settings, on every rank,
+  even one that holds no element of it: a scheduler's `g["lr"] = ...` through
+  opt.param_groups reaches the parameters it means (the grader halves the learning
+  rates before the last step).
+- Memory per rank: the optimizer's state only for this rank's shard (AdamW: 8 bytes x
+  padded / N); at stage 2 no full-size gradient outlives the reduction of its unit
+  while backward runs, and after step only the gradient shards remain.
+- Gradients are AVERAGED over ranks (a sum would be N times the gradient of the batch's
+  mean loss); with accumulation the micro-steps' gradients add up; stage 1 reduces
+  after backward (nothing inside no_sync()), stage 2 during backward, every micro-step.
+- Every rank issues the same collectives in the same order (a rank that waits more
+  than 20 seconds for the others fails the check).
+- collectives="minidist" sends everything through minidist.comm (the ring of chapter
+  02, synchronous, counted by minidist.comm.count_bytes): per step one reduce-scatter
+  and one all-gather per unit, the bytes of data parallelism. "torch": torch.distributed's
+  asynchronous collectives, on self.group.
 
-The grader trains a small GPT (a frozen parameter, an embedding tied to the head, three
-param groups, one of which some ranks hold no element of; 3 ranks make units that do not
-divide, padded) on 2 and 3 ranks, halving the learning rates through opt.param_groups
-before the last step (as a scheduler would), with and without gradient accumulation,
-with AdamW and with SGD with momentum, and compares with one process training on the
-whole batch (float32: equal up to rounding), and with torch's ZeroRedundancyOptimizer.
-It measures what each rank holds (the inner optimizer's state, the gradients left after
-backward and after step, the full gradients alive while backward runs) and counts the
-bytes sent with collectives="minidist".
+The grader's model has a frozen parameter, an embedding tied to the head, and three param
+groups, one of which some ranks hold no element of; on 3 ranks the units do not divide
+and are padded. It measures what each rank holds from the outside (the inner optimizer's
+state, the gradients left after backward and after step, the full gradients alive while
+backward runs).
 
 Rules enforced in every graded part (a part that breaks one scores 0): no
 torch.distributed.optim.ZeroRedundancyOptimizer, no FSDP (fully_shard,

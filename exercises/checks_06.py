@@ -608,7 +608,10 @@ HINTS = {
     "_zero1": [
         "Part 1 first. The inner optimizer must only ever see this rank's shard: its param "
         "groups are views into u.shard (one per unit that holds elements of the group), and "
-        "each view's .grad is the matching view of u.grad_shard, set once in __init__.",
+        "each view's .grad is the matching view of u.grad_shard, set once in __init__: the "
+        "inner optimizer then reads the averaged gradient shard wherever you write it. One "
+        "inner optimizer, optimizer_class(shard_groups, **defaults), each shard group with "
+        "its group's own settings (weight_decay, lr, ...).",
         '_shard_param_groups: for each group i, views = []; for u in self.units: if i '
         'in u.ranges: a, b = u.ranges[i]; v = u.shard[a:b]; v.grad = u.grad_shard[a:b];'
         ' views.append(v). No view: views = [torch.zeros(0)] with .grad = '
@@ -619,7 +622,8 @@ HINTS = {
         'step: loss = closure() if closure else None; if not self.reduce_gradients: '
         'self._take_local_gradients(); self.optim.step(); works = '
         '[self._all_gather(u.flat, u.shard) for u in self.units]; wait() for each work '
-        'that is not None; return loss',
+        'that is not None; return loss. Start all the all-gathers (u.shard from every '
+        'rank into u.flat), then wait for them.',
         'zero_grad: for u in self.units: u.grad_shard.zero_() (in place: the inner '
         "optimizer's .grad views point into it) and p.grad = None for p in u.params",
         "_all_gather: collectives 'minidist': comm.all_gather(out, inp.clone()) (inp is"
@@ -640,6 +644,12 @@ HINTS = {
         "Part 2. Reducing a unit: its full local gradients flattened (u.flat_grads()), freed "
         "(p.grad = None), and a reduce-scatter that AVERAGES into a new tensor shaped like "
         "u.grad_shard; the results are added (+=) into u.grad_shard at the end of backward.",
+        "A post-accumulate-grad hook on every trainable parameter (registered for you: "
+        "_on_grad) counts completed gradients. Stage 1 reduces every unit after backward, "
+        "from a callback queued by the first hook of each backward; inside no_sync() it "
+        "reduces nothing and lets p.grad accumulate. When backward ends: reduce the units "
+        "not reduced yet, wait for every reduce-scatter, add each result into "
+        "u.grad_shard, reset for the next backward.",
         "_reduce_scatter: 'minidist': comm.reduce_scatter(out, inp, op='avg') and "
         "return None; 'torch': return dist.reduce_scatter_single(out, inp, "
         'op=dist.ReduceOp.AVG, group=self.group, async_op=True)',
@@ -661,7 +671,8 @@ HINTS = {
     "_zero2": [
         "Stage 2 reduces a unit from the hook that completes its last gradient, during "
         "backward; at the end of backward, reduce any unit that is not complete (a "
-        "parameter without a gradient), in unit order, the same on every rank.",
+        "parameter without a gradient), in unit order, the same on every rank. Inside "
+        "no_sync() stage 2 reduces anyway: it keeps no full gradient to accumulate into.",
         "With accumulation stage 2 reduces every micro-step: each reduce-scatter's result "
         "must ADD into u.grad_shard (+=), or only the last micro-batch's gradient is left; "
         "zero_grad is what empties it.",
