@@ -18,7 +18,8 @@ computes its update, and one all-gather per round of N matrices hands every rank
 update. Matrices are dealt out by cost, largest first, one per rank per round, so a
 round's matrices are alike in size. Rounds travel packed in buckets of about 4 MB (the
 helpers under "packing" below), each all-gather started asynchronously so that the next
-bucket's Newton-Schulz runs while it is on the wire.
+bucket's Newton-Schulz runs while it is on the wire. Under ZeRO stages 1-2 the gradients
+reach the owners by a reduce-scatter instead of DDP's all-reduce (minidist/zero/muon.py).
 
 Which parameters belong to Muon is decided once (split_params) and checked after the
 first step (check_routing): a wrong routing trains silently with the wrong optimizer.
