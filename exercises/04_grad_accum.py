@@ -6,21 +6,14 @@ the gradients add up in p.grad, then takes one optimizer step. Done right, the s
 the one a single process would take on the whole global batch (all micro-batches of all
 ranks). Two things make that so, and both are easy to get wrong:
 
-1. The loss is a mean over target tokens, and targets of -1 are masked (padding, the end
-   of a document) and do not count, so micro-batches hold different numbers of tokens.
-   The mean of per-micro-batch means weighs a token of a short micro-batch more than one
-   of a long micro-batch. Sum the per-token losses instead (`reduction="sum"`) and divide
-   by the number of unmasked targets in the whole global batch: all micro-batches, all
-   ranks (a dist.all_reduce of the count).
-2. Under DDP, gradient communication belongs to the last micro-step only: the earlier
-   ones run inside `ddp.no_sync()`, where backward accumulates locally and all-reduces
-   nothing. The last backward, outside it, all-reduces the accumulated sums once.
+1. Every unmasked token of the global batch weighs the same. The loss is a mean over
+   target tokens, and targets of -1 are masked (padding, the end of a document) and do
+   not count, so micro-batches, and ranks, hold different numbers of tokens.
+2. Under DDP, gradient communication belongs to the last micro-step only: the backward
+   of every earlier micro-step all-reduces nothing.
 
-DDP averages gradients over ranks (divides the sum by the world size). So that the
-result is the global batch's mean, scale each rank's summed loss by
-world_size / global_token_count before backward: the division by world_size undoes
-the multiplication, and what is left is the sum over all tokens of the global batch,
-divided by their number.
+Chapter 04 explains both: section 4 (normalising the loss by tokens) and section 3
+(no_sync).
 
 Implement accumulate() below, replacing the `raise NotImplementedError(...)`.
 
@@ -30,8 +23,10 @@ Rules:
 - `ddp` is minidist.ddp.DDP (the grader's, not exercise 03's) or None. With None, the
   caller averages the gradients over ranks afterwards (for instance with
   minidist.ddp.allreduce_gradients_flat): prepare them exactly as for DDP.
-- Communicate only through torch.distributed (dist.all_reduce), never gradients yourself.
-  The grader counts which all-reduces happen in which micro-step.
+- Communicate only with dist.all_reduce, and never gradients yourself: they are the
+  DDP's (or the caller's) business. No torch.nn.parallel.DistributedDataParallel. The
+  grader counts which all-reduces happen in which micro-step, and a check that sees
+  another collective, or torch's DDP, scores 0.
 
 The grader checks, against one process computing the loss of the whole global batch in
 one go (`model(x, y)`, the mean over its unmasked targets): 1 rank with 3 micro-batches,

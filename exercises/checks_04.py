@@ -139,7 +139,7 @@ class _AllReduces:
         self._orig = PG.__dict__["allreduce"]
 
         def allreduce(pg, tensors, *args, **kwargs):
-            rec.events.extend(("all_reduce", t.data_ptr()) for t in tensors)
+            rec.events.extend(("all_reduce", t.data_ptr(), t.numel()) for t in tensors)
             return rec._orig(pg, tensors, *args, **kwargs)
 
         PG.allreduce = allreduce
@@ -167,6 +167,7 @@ def _result(fns, r, n, use_ddp: str) -> dict:
         model.register_forward_pre_hook(lambda *_: rec.events.append(("forward",)))
         with rec:
             loss = fns["accumulate"](ddp, micro, n, ddp)
+        _no_gradients_communicated(rec, buffers, model)
         per_step = []
         for e in rec.events:
             if e[0] == "forward":
@@ -175,7 +176,10 @@ def _result(fns, r, n, use_ddp: str) -> dict:
                 per_step[-1] += 1
         out.update(buckets_per_step=per_step, n_buckets=len(ddp.buckets), k=k)
     else:
-        loss = fns["accumulate"](model, micro, n, None)
+        buffers, rec = set(), _AllReduces()
+        with rec:
+            loss = fns["accumulate"](model, micro, n, None)
+        _no_gradients_communicated(rec, buffers, model)
         allreduce_gradients_flat(model)  # what a caller without DDP does afterwards
     try:
         out["loss"] = float(loss)
@@ -183,6 +187,23 @@ def _result(fns, r, n, use_ddp: str) -> dict:
         out["loss"] = repr(loss)
     out["problem"] = _grad_problem({k_: p.grad for k_, p in model.named_parameters()}, oracles, n)
     return out
+
+
+_OWN_GRADIENTS = ("exercise 04 never communicates gradients itself: they are the DDP's "
+                  "business (or, with ddp=None, the caller's, who averages them afterwards); "
+                  "all-reduce only the token count and the losses")
+
+
+def _no_gradients_communicated(rec, buffers: set, model) -> None:
+    """The rule 'never gradients yourself': an all-reduce of the learner's (not one of
+    DDP's buckets) as large as the smallest parameter breaks it (the count and the loss
+    are a few numbers)."""
+    smallest = min(p.numel() for p in model.parameters())
+    for e in rec.events:
+        if e[0] == "all_reduce" and e[1] not in buffers and e[2] >= smallest:
+            w, _ = _rules.current()
+            if w is not None:
+                w.trip(f"dist.all_reduce of {e[2]} elements (gradients)", _OWN_GRADIENTS)
 
 
 def _plain_part(fns, r, n):
@@ -269,45 +290,37 @@ def _no_sync(impl):
 
 
 # Tiered hints, shown one at a time by `python -m exercises.grade 04 --hint` (moved out of the stub, which poses the problem).
+_WEIGHT = (
+    "Every token of the global batch must weigh the same. The mean of per-micro-batch "
+    "means weighs a token of a short micro-batch more than one of a long micro-batch. Sum "
+    "the per-token losses instead (model(x, y, reduction='sum')) and divide by N, the "
+    "number of unmasked targets in the whole global batch: all micro-batches, all ranks "
+    "(a dist.all_reduce of the count).")
+_SCALE = (
+    "DDP averages gradients over ranks (divides the sum by the world size). So that the "
+    "result is the global batch's mean, scale each rank's summed loss by world_size / N "
+    "before backward: the division by world_size undoes the multiplication, and what is "
+    "left is the sum over all tokens of the global batch, divided by their number. With "
+    "ddp=None prepare the gradients exactly the same way: the caller averages them.")
+_NO_SYNC = (
+    "Under DDP the earlier micro-steps run inside ddp.no_sync(), where backward "
+    "accumulates locally and all-reduces nothing; the last backward, outside it, "
+    "all-reduces the accumulated sums once.")
+_RECIPE = (
+    'accumulate: first N, the unmasked targets (y != -1) of your micro-batches, '
+    'summed over ranks with dist.all_reduce (a float tensor); then for each '
+    "micro-batch backward of its summed loss (reduction='sum') times world_size / "
+    'N, inside ddp.no_sync() for all but the last when ddp is given '
+    '(contextlib.nullcontext() otherwise); return the all-reduced sum of the summed'
+    ' losses over N, as a float')
+
 HINTS = {
-    "_one_rank": [
-        'accumulate: first N, the unmasked targets (y != -1) of your micro-batches, '
-        'summed over ranks with dist.all_reduce (a float tensor); then for each '
-        "micro-batch backward of its summed loss (reduction='sum') times world_size / "
-        'N, inside ddp.no_sync() for all but the last when ddp is given '
-        '(contextlib.nullcontext() otherwise); return the all-reduced sum of the summed'
-        ' losses over N, as a float',
-    ],
-    "_two_ranks_ddp": [
-        'accumulate: first N, the unmasked targets (y != -1) of your micro-batches, '
-        'summed over ranks with dist.all_reduce (a float tensor); then for each '
-        "micro-batch backward of its summed loss (reduction='sum') times world_size / "
-        'N, inside ddp.no_sync() for all but the last when ddp is given '
-        '(contextlib.nullcontext() otherwise); return the all-reduced sum of the summed'
-        ' losses over N, as a float',
-    ],
-    "_two_ranks_plain": [
-        'accumulate: first N, the unmasked targets (y != -1) of your micro-batches, '
-        'summed over ranks with dist.all_reduce (a float tensor); then for each '
-        "micro-batch backward of its summed loss (reduction='sum') times world_size / "
-        'N, inside ddp.no_sync() for all but the last when ddp is given '
-        '(contextlib.nullcontext() otherwise); return the all-reduced sum of the summed'
-        ' losses over N, as a float',
-    ],
+    "_one_rank": [_WEIGHT, _SCALE, _NO_SYNC, _RECIPE],
+    "_two_ranks_ddp": [_WEIGHT, _SCALE, _NO_SYNC, _RECIPE],
+    "_two_ranks_plain": [_WEIGHT, _SCALE, _RECIPE],
     "_loss": [
-        'accumulate: first N, the unmasked targets (y != -1) of your micro-batches, '
-        'summed over ranks with dist.all_reduce (a float tensor); then for each '
-        "micro-batch backward of its summed loss (reduction='sum') times world_size / "
-        'N, inside ddp.no_sync() for all but the last when ddp is given '
-        '(contextlib.nullcontext() otherwise); return the all-reduced sum of the summed'
-        ' losses over N, as a float',
-    ],
-    "_no_sync": [
-        'accumulate: first N, the unmasked targets (y != -1) of your micro-batches, '
-        'summed over ranks with dist.all_reduce (a float tensor); then for each '
-        "micro-batch backward of its summed loss (reduction='sum') times world_size / "
-        'N, inside ddp.no_sync() for all but the last when ddp is given '
-        '(contextlib.nullcontext() otherwise); return the all-reduced sum of the summed'
-        ' losses over N, as a float',
-    ],
+        "The loss to return is the global batch's mean per unmasked target, the same on "
+        "every rank: not the mean of per-micro-batch means, nor this rank's own mean.",
+        _WEIGHT, _RECIPE],
+    "_no_sync": [_NO_SYNC, _RECIPE],
 }

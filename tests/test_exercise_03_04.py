@@ -403,6 +403,26 @@ def test_04_a_collective_other_than_all_reduce_scores_0_naming_the_rule():
                "forbids" in c.message for c in r.checks), [c.message for c in r.checks]
 
 
+# -- a rule broken: with ddp=None it averages the gradients itself (right numbers, since
+#    the caller's average of equal gradients changes nothing, but the rule says never)
+
+def acc_averages_gradients(model, micro_batches, world_size, ddp=None):
+    loss = acc_plain(model, micro_batches, world_size, ddp)
+    if ddp is None:
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world_size
+    return loss
+
+
+def test_04_communicating_gradients_yourself_scores_0_on_those_parts():
+    r = G.grade("04", overrides=dict(accumulate=acc_averages_gradients))
+    which, messages = _failed(r, CHECK4)
+    assert which == {"one rank", "plain", "loss"}, messages
+    for name, msg in messages.items():
+        assert "never communicates gradients itself" in msg, (name, msg)
+
+
 MISTAKES4 = {
     "mean of micro-batch means": (acc_micro_means, {"one rank", "ddp", "plain", "loss"},
                                   "per-micro-batch means"),
