@@ -25,26 +25,23 @@ Rules (the grader checks each):
   Python float.
 - unscale_(optimizer) divides in place every gradient the optimizer holds (p.grad of each
   p in optimizer.param_groups[i]["params"], skipping those whose grad is None) by S, and
-  records this step's verdict: did any gradient hold inf, -inf or NaN? (torch.isfinite
-  says no to all three; inf / S is still inf and NaN / S still NaN.) Call it at most
+  records this step's verdict: did any gradient hold inf, -inf or NaN? Called at most
   once per step.
 - Ranks agree. Under data parallelism one rank may overflow while the others do not, and
   with sharded gradients (chapter 06) the others cannot even see it: if ranks decided
   alone, some would step and some would not, and their parameters would drift apart.
-  So when a process group of more than one rank exists (dist.is_initialized() and
-  dist.get_world_size() > 1), all-reduce the verdict as a float flag (1. overflow,
-  0. clean) with op=dist.ReduceOp.MAX, on every rank, every step, overflow or not: ranks
-  pair their collectives by order, and a rank that skips one hangs the others. Without
-  a process group (the grader's single-process checks) call no collective at all.
+  When a process group of more than one rank exists (dist.is_initialized() and
+  dist.get_world_size() > 1), every rank reaches the same verdict, and every rank
+  issues the same collectives every step, overflow or not: ranks pair their collectives
+  by order, and a rank that skips one hangs the others. Without a process group (the
+  grader's single-process checks) call no collective at all.
 - step(optimizer) calls unscale_ first when it was not called this step, then
   optimizer.step() only if the verdict is clean. A skipped step leaves the optimizer
   alone: no optimizer.step() call, parameters and momentum untouched.
-- update() moves S for the next step. Keep two counters: the growth tracker (clean steps
-  since the last overflow or growth) and the overflow streak (consecutive overflowing
-  steps up to now).
-  * Overflow: the streak grows by one and the growth tracker goes back to 0. Once the
-    streak reaches `hysteresis`, S = max(S * backoff_factor, min_scale), at this
-    overflow and at every further one of the same streak. With hysteresis=1 every
+- update() moves S for the next step, by GradScaler's rule plus hysteresis:
+  * Overflow: once `hysteresis` consecutive steps have overflowed, S =
+    max(S * backoff_factor, min_scale), at this overflow and at every further one of
+    the same streak; an overflow also restarts the count of clean steps. With hysteresis=1 every
     overflow backs off (GradScaler's rule); with hysteresis=2 a lone overflow is skipped
     but does not lower S (DeepSpeed's hysteresis, with consecutive_hysteresis=True).
   * An overflow that would back off while S is already at min_scale raises
@@ -52,8 +49,8 @@ Rules (the grader checks each):
     underflow problem, the run is diverging. Say so in the message, and what to try
     (a lower learning rate, gradient clipping, bf16). minidist.scaler.ScaleCollapseError
     is such an error; raise it or a FloatingPointError of your own.
-  * Clean step: the streak goes back to 0 and the growth tracker grows by one; when it
-    reaches growth_interval, S = S * growth_factor and the tracker goes back to 0. As in
+  * Clean step: it ends any overflow streak. After growth_interval clean steps in a row
+    (counted since the last overflow or growth), S = S * growth_factor. As in
     GradScaler, whose S is a float32 tensor, refuse a growth that would take S above
     torch.finfo(torch.float32).max (the loss is fp32: it could not hold a larger S).
 - state_dict() returns a dict of plain numbers (what torch.save keeps in a checkpoint)

@@ -590,6 +590,10 @@ HINTS = {
         'dist.all_reduce(flag, op=dist.ReduceOp.MAX); remember bool(flag.item())',
     ],
     "_random_overflows": [
+        "Keep two counters: the growth tracker (clean steps since the last overflow or "
+        "growth) and the overflow streak (consecutive overflowing steps up to now). An "
+        "overflow grows the streak by one and puts the tracker back to 0; a clean step puts "
+        "the streak back to 0 and grows the tracker by one.",
         'step: call self.unscale_(optimizer) unless it already ran this step; then '
         'return optimizer.step() if the verdict is clean, else return None without '
         'touching the optimizer',
@@ -614,6 +618,10 @@ HINTS = {
         'the verdict for the next step',
     ],
     "_hysteresis": [
+        "Keep two counters: the growth tracker (clean steps since the last overflow or "
+        "growth) and the overflow streak (consecutive overflowing steps up to now). Back "
+        "off once the streak reaches hysteresis, and again at every further overflow of the "
+        "same streak.",
         'update: on overflow, streak += 1 and tracker = 0, and once streak >= '
         'hysteresis raise FloatingPointError if S <= min_scale (say what to try), else '
         'S = max(S * backoff_factor, min_scale); on a clean step, streak = 0 and '
@@ -622,6 +630,8 @@ HINTS = {
         'the verdict for the next step',
     ],
     "_nonfinite": [
+        "torch.isfinite says no to inf, -inf and NaN alike; inf / S is still inf and NaN / S "
+        "still NaN, so you may look before or after dividing.",
         "unscale_: grads = [p.grad for g in optimizer.param_groups for p in g['params']"
         ' if p.grad is not None]; g.div_(S) for each (or torch._foreach_mul_(grads, 1 /'
         ' S)); flag = torch.tensor([0. if all(torch.isfinite(g).all() for g in grads) '
@@ -643,6 +653,9 @@ HINTS = {
         'made',
     ],
     "_ranks": [
+        "The verdict must be the same on every rank: all-reduce it as a float flag (1. "
+        "overflow, 0. clean) with op=dist.ReduceOp.MAX, on every rank, every step, overflow "
+        "or not, when dist.is_initialized() and dist.get_world_size() > 1.",
         "unscale_: grads = [p.grad for g in optimizer.param_groups for p in g['params']"
         ' if p.grad is not None]; g.div_(S) for each (or torch._foreach_mul_(grads, 1 /'
         ' S)); flag = torch.tensor([0. if all(torch.isfinite(g).all() for g in grads) '
