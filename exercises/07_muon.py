@@ -7,81 +7,63 @@ along the few with large singular values. An SVD would be slow on accelerators; 
 matrix products are fast. Two parts:
 
 (a) newton_schulz(G, steps=5, dtype=torch.bfloat16, eps=1e-7): approximately U V^T by
-    the quintic iteration with Keller Jordan's coefficients (a, b, c) = NS_COEFFICIENTS:
-
-        X = G, in `dtype`                            (bf16 by default)
-        if X has more rows than columns: X = X^T     (then X X^T is the smaller matrix)
-        X = X / max(||X||_F, eps)                    (every singular value now in [0, 1])
-        repeat `steps` times:
-            A = X X^T
-            B = b A + c A^2
-            X = a X + B X
-        transpose back if you transposed; return X (in `dtype`)
-
-    Each step sends every singular value s of X to p(s) = a s + b s^3 + c s^5 and keeps
-    the singular vectors U and V; p's slope at 0 is 3.4445, so small values grow fast,
-    and after five steps they sit in a band around 1 (about 0.7 to 1.1).
+    `steps` steps of the quintic Newton-Schulz iteration with Keller Jordan's
+    coefficients (a, b, c) = NS_COEFFICIENTS. Divided by its Frobenius norm, G has every
+    singular value in [0, 1]; each step then sends every singular value s of X to
+    p(s) = a s + b s^3 + c s^5 and keeps the singular vectors U and V. p's slope at 0 is
+    3.4445, so small values grow fast, and after five steps they sit in a band around 1
+    (about 0.7 to 1.1). Chapter 07, section 2, derives it.
 
 (b) Muon: an optimizer with torch.optim.Muon's arithmetic that, on N ranks, gives each
     weight matrix one owner rank. Only the owner keeps the matrix's momentum (1/N of the
     optimizer state per rank) and runs its Newton-Schulz (1/N of the work); the
     orthogonalised updates reach every rank by all_gather, and every rank applies every
     update. The constructor (the same as minidist.muon.Muon's), _world() and _apply() are
-    written for you below; write _update() and step().
+    written for you below; write _update() and step(). Chapter 07, sections 3 and 5.
 
 Implement, replacing each `raise NotImplementedError(...)`: newton_schulz, Muon._update
 and Muon.step.
 
-Rules for (a) (the grader checks each):
+What the grader checks in (a):
+- fp32: each singular value s of G comes out as p applied `steps` times to s / ||G||_F,
+  with U and V kept.
 - The last two dimensions are the matrix; leading ones are a batch: each matrix of the
-  batch is its own problem, normalised by its own norm (X.norm(dim=(-2, -1),
-  keepdim=True)), and the result equals newton_schulz of each matrix alone.
-- Transpose tall matrices (rows > cols) and iterate on the wide side: the Gram matrix
-  X X^T is then min(rows, cols) square, the cheaper one. The grader counts the FLOPs.
+  batch is its own problem, normalised by its own norm, and the result equals
+  newton_schulz of each matrix alone.
+- A tall matrix (rows > cols) gives the transpose of the wide case, iterated on the wide
+  side: the Gram matrix is then min(rows, cols) square, the cheaper one. The grader
+  counts the FLOPs.
 - The iteration runs in `dtype` and the result has that dtype; G itself is left as it
-  was (Muon hands you its momentum buffer: dividing it in place would corrupt it).
+  was (Muon hands you its momentum buffer: changing it in place would corrupt it).
 - An all-zero matrix gives zeros, not NaN: that is what eps is for.
 - In bf16 the result equals torch's own Newton-Schulz to the bit
-  (torch.optim._muon._zeropower_via_newtonschulz, the oracle). For that, compute as it
-  does: convert to `dtype` first, then normalise (the norm computed in `dtype`); on X of
-  shape (batch, m, n), A = torch.bmm(X, X.mT), B = torch.baddbmm(A, A, A, beta=b,
-  alpha=c) and X = torch.baddbmm(X, B, X, beta=a) (torch.mm and torch.addmm for a
-  single matrix are the same arithmetic). `b * A + c * A @ A` is the same mathematics,
-  rounded differently. (On a CPU, prefer torch.bmm to `@` on 3-D bf16 tensors: the same
-  bits, and here a hundred times faster.)
+  (torch.optim._muon._zeropower_via_newtonschulz, the oracle): the same mathematics
+  rounded differently does not pass.
 
-Rules for (b):
-- One process (no process group, or one of a single rank): for each parameter with a
-  gradient, in order, as torch.optim.Muon does:
-
-      buf = self.state[p]["momentum_buffer"]     (zeros like p at first)
-      buf.lerp_(p.grad, 1 - momentum)            (buf = momentum buf + (1 - momentum) grad)
-      M = p.grad.lerp(buf, momentum) if nesterov else buf
-      O = ns_reference(M, ns_steps, self.ns_dtype)
-      self._apply(p, O, group)                   (weight decay, then the adjusted step)
-
-  A parameter whose grad is None is left alone: no momentum, no weight decay, no step.
-  The grader compares with torch.optim.Muon, bit for bit.
-- N ranks (data parallelism: every rank holds the same parameters and, after the
-  all-reduce of chapter 03, the same gradients; all ranks agree which are None):
-  * every matrix has one owner rank, the same on every rank; only the owner keeps its
-    momentum, in self.state[p]["momentum_buffer"] (where the grader looks), and runs its
-    Newton-Schulz. Deal the matrices out so each rank holds about 1/N of the momentum:
-    the grader wants each rank's share at most total / N plus the largest matrix. A
-    balanced way: sort the matrices by cost, largest first, and deal them out in rounds
-    of N, the r-th matrix of each round to rank r.
-  * the updates travel by dist.all_gather (for instance one per round, one slot per rank,
-    each slot [flag, flattened update, zero padding] in ns_dtype, flag 0 meaning "no
-    update"); every rank applies every update with self._apply, so the parameters stay
-    the same on every rank, and equal to one process's, to the bit.
-  * every rank joins every collective, in the same order, with the same sizes: also the
-    owner of a matrix without a gradient, and a rank that owns nothing in a round. A
-    rank that skips one leaves the others waiting forever (the grader's timeout ends it).
-  * call dist.get_rank(self.group) / dist.get_world_size(self.group) through
-    self._world(); pass group=self.group to dist.all_gather.
+What the grader checks in (b):
+- One process (no process group, or one of a single rank): equal to torch.optim.Muon,
+  bit for bit (momentum, Nesterov or not, decoupled weight decay, the shape-adjusted
+  learning rate). A parameter whose grad is None is left alone: no momentum, no weight
+  decay, no step.
+- 2 and 3 ranks (data parallelism: every rank holds the same parameters and, after the
+  all-reduce of chapter 03, the same gradients; all ranks agree which are None): every
+  rank's parameters equal one process's after every step, to the bit.
+- Every matrix has one owner rank, the same on every rank; only the owner keeps its
+  momentum, in self.state[p]["momentum_buffer"] (where the grader looks), and runs its
+  Newton-Schulz. Each rank's share of the momentum is at most total / N plus the
+  largest matrix.
+- Every rank joins every collective, in the same order, with the same sizes, also when
+  some gradients are None: a rank that skips one leaves the others waiting, and a rank
+  that waits more than 20 seconds for the others (a hang) fails its check.
+- Use self._world() for the rank and world size, and group=self.group in every
+  collective.
 - Part (b) orthogonalises with ns_reference, minidist's newton_schulz (imported below),
   so its marks do not depend on part (a); your newton_schulz gives the same bits once it
   matches torch's.
+
+Rule enforced in every check (a check that breaks it scores 0): no torch.optim.Muon and
+no torch.optim._muon._zeropower_via_newtonschulz in what you write: they are the
+grader's oracles.
 
 Grade your work with
 
@@ -89,8 +71,7 @@ Grade your work with
 
 (about 6 s on a quiet 2-core machine: the Muon checks start 2 and 3 processes), and see
 what full marks look like with `python -m exercises.grade 07 --reference`, which grades
-minidist's own implementations (named in REFERENCE below) instead of yours. A rank that
-waits more than 20 seconds for the others (a hang) fails its check.
+minidist's own implementations (named in REFERENCE below) instead of yours.
 
 Ask for a hint on the first failing check with `python -m exercises.grade 07 --hint`
 (again for the next one; `--hint K` for the K-th).

@@ -530,56 +530,56 @@ def _missing_text() -> str:
 
 
 # Tiered hints, shown one at a time by `python -m exercises.grade 07 --hint` (moved out of the stub, which poses the problem).
+_NS_ITERATION = (
+    "The iteration, on X = G converted to `dtype`: X = X / max(||X||_F, eps) (every "
+    "singular value now in [0, 1]); repeat `steps` times: A = X X^T, B = b A + c A^2, "
+    "X = a X + B X; return X (in `dtype`). Never divide G itself in place: work on the "
+    "converted copy.")
+_NS_TALL_BATCH = (
+    "If X has more rows than columns, iterate on X^T (then X X^T is the smaller matrix) and"
+    " transpose back at the end. For a batch, normalise each matrix by its own norm: "
+    "X.norm(dim=(-2, -1), keepdim=True).")
+_NS_BITS = (
+    "To match torch's bits, compute as it does: convert to `dtype` first, then normalise "
+    "(the norm computed in `dtype`); on X of shape (batch, m, n), A = torch.bmm(X, X.mT), "
+    "B = torch.baddbmm(A, A, A, beta=b, alpha=c) and X = torch.baddbmm(X, B, X, beta=a) "
+    "(torch.mm and torch.addmm for a single matrix are the same arithmetic). "
+    "`b * A + c * A @ A` is the same mathematics, rounded differently. (On a CPU, prefer "
+    "torch.bmm to `@` on 3-D bf16 tensors: the same bits, and here a hundred times "
+    "faster.)")
+_NS_RECIPE = (
+    'newton_schulz: X = G.to(dtype); tall = X.size(-2) > X.size(-1); if tall: X = '
+    'X.mT; reshape to (batch, m, n) with X.reshape(-1, *X.shape[-2:]); X = X / '
+    'X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps); then `steps` times: A = '
+    'torch.bmm(X, X.mT), B = torch.baddbmm(A, A, A, beta=b, alpha=c), X = '
+    'torch.baddbmm(X, B, X, beta=a); reshape back to the batch shape and return '
+    'X.mT if tall else X')
+_MUON_ONE = (
+    "One process, as torch.optim.Muon does, for each parameter with a gradient, in order: "
+    "buf = self.state[p]['momentum_buffer'] (zeros like p at first); buf.lerp_(p.grad, 1 - "
+    "momentum) (buf = momentum buf + (1 - momentum) grad); M = p.grad.lerp(buf, momentum) "
+    "if nesterov else buf; O = ns_reference(M, ns_steps, self.ns_dtype); self._apply(p, O, "
+    "group) (weight decay, then the adjusted step).")
+_MUON_OWNERS = (
+    "Deal the matrices out so each rank holds about 1/N of the momentum. A balanced way: "
+    "sort the matrices by cost, largest first, and deal them out in rounds of N, the r-th "
+    "matrix of each round to rank r. Every rank computes the same dealing.")
+_MUON_GATHER = (
+    "The updates travel by dist.all_gather, for instance one per round, one slot per rank, "
+    "each slot [flag, flattened update, zero padding] in ns_dtype, flag 0 meaning 'no "
+    "update'; every rank applies every update with self._apply. Every rank joins every "
+    "round's all_gather, also the owner of a matrix without a gradient, and a rank that "
+    "owns nothing in a round.")
+
 HINTS = {
-    "_singular_values": [
-        'newton_schulz: X = G.to(dtype); tall = X.size(-2) > X.size(-1); if tall: X = '
-        'X.mT; reshape to (batch, m, n) with X.reshape(-1, *X.shape[-2:]); X = X / '
-        'X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps); then `steps` times: A = '
-        'torch.bmm(X, X.mT), B = torch.baddbmm(A, A, A, beta=b, alpha=c), X = '
-        'torch.baddbmm(X, B, X, beta=a); reshape back to the batch shape and return '
-        'X.mT if tall else X',
-    ],
-    "_tall": [
-        'newton_schulz: X = G.to(dtype); tall = X.size(-2) > X.size(-1); if tall: X = '
-        'X.mT; reshape to (batch, m, n) with X.reshape(-1, *X.shape[-2:]); X = X / '
-        'X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps); then `steps` times: A = '
-        'torch.bmm(X, X.mT), B = torch.baddbmm(A, A, A, beta=b, alpha=c), X = '
-        'torch.baddbmm(X, B, X, beta=a); reshape back to the batch shape and return '
-        'X.mT if tall else X',
-    ],
-    "_batched": [
-        'newton_schulz: X = G.to(dtype); tall = X.size(-2) > X.size(-1); if tall: X = '
-        'X.mT; reshape to (batch, m, n) with X.reshape(-1, *X.shape[-2:]); X = X / '
-        'X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps); then `steps` times: A = '
-        'torch.bmm(X, X.mT), B = torch.baddbmm(A, A, A, beta=b, alpha=c), X = '
-        'torch.baddbmm(X, B, X, beta=a); reshape back to the batch shape and return '
-        'X.mT if tall else X',
-    ],
-    "_dtype": [
-        'newton_schulz: X = G.to(dtype); tall = X.size(-2) > X.size(-1); if tall: X = '
-        'X.mT; reshape to (batch, m, n) with X.reshape(-1, *X.shape[-2:]); X = X / '
-        'X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps); then `steps` times: A = '
-        'torch.bmm(X, X.mT), B = torch.baddbmm(A, A, A, beta=b, alpha=c), X = '
-        'torch.baddbmm(X, B, X, beta=a); reshape back to the batch shape and return '
-        'X.mT if tall else X',
-    ],
-    "_zeros": [
-        'newton_schulz: X = G.to(dtype); tall = X.size(-2) > X.size(-1); if tall: X = '
-        'X.mT; reshape to (batch, m, n) with X.reshape(-1, *X.shape[-2:]); X = X / '
-        'X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps); then `steps` times: A = '
-        'torch.bmm(X, X.mT), B = torch.baddbmm(A, A, A, beta=b, alpha=c), X = '
-        'torch.baddbmm(X, B, X, beta=a); reshape back to the batch shape and return '
-        'X.mT if tall else X',
-    ],
-    "_bitwise": [
-        'newton_schulz: X = G.to(dtype); tall = X.size(-2) > X.size(-1); if tall: X = '
-        'X.mT; reshape to (batch, m, n) with X.reshape(-1, *X.shape[-2:]); X = X / '
-        'X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps); then `steps` times: A = '
-        'torch.bmm(X, X.mT), B = torch.baddbmm(A, A, A, beta=b, alpha=c), X = '
-        'torch.baddbmm(X, B, X, beta=a); reshape back to the batch shape and return '
-        'X.mT if tall else X',
-    ],
+    "_singular_values": [_NS_ITERATION, _NS_TALL_BATCH, _NS_BITS, _NS_RECIPE],
+    "_tall": [_NS_ITERATION, _NS_TALL_BATCH, _NS_BITS, _NS_RECIPE],
+    "_batched": [_NS_ITERATION, _NS_TALL_BATCH, _NS_BITS, _NS_RECIPE],
+    "_dtype": [_NS_ITERATION, _NS_TALL_BATCH, _NS_BITS, _NS_RECIPE],
+    "_zeros": [_NS_ITERATION, _NS_TALL_BATCH, _NS_BITS, _NS_RECIPE],
+    "_bitwise": [_NS_ITERATION, _NS_TALL_BATCH, _NS_BITS, _NS_RECIPE],
     "_one_process": [
+        _MUON_ONE,
         "_update: buf = self.state[p].setdefault('momentum_buffer', "
         "torch.zeros_like(p)); buf.lerp_(p.grad, 1 - g['momentum']); M = "
         "p.grad.lerp(buf, g['momentum']) if g['nesterov'] else buf; return "
@@ -594,6 +594,7 @@ HINTS = {
         'where recv[r][0] == 1',
     ],
     "_distributed": [
+        _MUON_OWNERS, _MUON_GATHER,
         'step: rank, world = self._world(); items = [(p, g) for g in self.param_groups '
         "for p in g['params']]. One rank: self._apply(p, self._update(p, g), g) for "
         'each p with a grad. N ranks: sort the items by cost, largest first, in rounds '
@@ -604,6 +605,7 @@ HINTS = {
         'where recv[r][0] == 1',
     ],
     "_sharded_state": [
+        _MUON_OWNERS,
         'step: rank, world = self._world(); items = [(p, g) for g in self.param_groups '
         "for p in g['params']]. One rank: self._apply(p, self._update(p, g), g) for "
         'each p with a grad. N ranks: sort the items by cost, largest first, in rounds '
@@ -614,6 +616,7 @@ HINTS = {
         'where recv[r][0] == 1',
     ],
     "_missing_grads": [
+        _MUON_GATHER,
         'step: rank, world = self._world(); items = [(p, g) for g in self.param_groups '
         "for p in g['params']]. One rank: self._apply(p, self._update(p, g), g) for "
         'each p with a grad. N ranks: sort the items by cost, largest first, in rounds '
