@@ -18,7 +18,8 @@ Grade your work with
 
     python -m exercises.grade 01
 
-and see what full marks look like with `python -m exercises.grade 01 --reference`,
+(about 4 s of CPU time, in this one process: it builds models up to GPT-2 XL's size on
+the meta device and counts one small model's FLOPs), and see what full marks look like with `python -m exercises.grade 01 --reference`,
 which grades minidist's own implementations (named in REFERENCE below) instead of yours.
 Ask for a hint on the first failing check with `python -m exercises.grade 01 --hint`
 (again for the next one; `--hint K` for the K-th).
@@ -30,14 +31,9 @@ from minidist.model import GPTConfig
 
 
 def count_params(cfg: GPTConfig) -> int:
-    """Number of distinct parameters of `GPT(cfg)`.
-
-    Count every Parameter once: the token embedding (vocab_size x n_embd), the position
-    table (block_size x n_embd), per block two LayerNorms, the qkv and output projections
-    of attention and the two MLP matrices, then the final LayerNorm. The head is tied to
-    the token embedding, so it adds nothing. `cfg.bias` switches the biases of every
-    Linear and LayerNorm on or off (a LayerNorm always has its gain).
-    """
+    """Number of distinct parameters of `GPT(cfg)` (minidist/model.py), each counted once
+    (a tied parameter is one parameter), with cfg.bias on or off. The grader compares
+    with the models it builds, small ones and GPT-2's presets."""
     raise NotImplementedError(
         "count_params is not written yet (`python -m exercises.grade 01 --hint` gives a hint)")
 
@@ -45,15 +41,10 @@ def count_params(cfg: GPTConfig) -> int:
 def flops_per_token(cfg: GPTConfig, seq_len: int) -> int:
     """Training FLOPs (forward + backward) per token, the PaLM-paper estimate.
 
-    6 * N + 12 * n_layer * seq_len * n_embd, where
-    - N is the parameter count without the position table: a lookup does no
-      arithmetic, while the token table does (as the tied head it is a matmul);
-    - 6 = 2 FLOPs per multiply-add in the forward matmul, 4 in the backward (gradients
-      with respect to the input and to the weight);
-    - 12 * L * T * d is attention's own work (scores q @ k^T and the weighted sum of
-      values, each 2 * T * d per token per layer forward, times 3 with backward), counted
-      over the full T x T square although the causal mask leaves half of it unused.
-    Use `seq_len`, not cfg.block_size, for T: a model can train on shorter sequences.
+    6 * N + 12 * n_layer * seq_len * n_embd, where N is the parameter count without the
+    position table (a lookup does no arithmetic). T is `seq_len`, not cfg.block_size: a
+    model can train on shorter sequences. Chapter 01, section 3, derives it; the grader also
+    compares with FLOPs counted on a real forward and backward.
     """
     raise NotImplementedError(
         "flops_per_token is not written yet (`python -m exercises.grade 01 --hint` gives a hint)")
@@ -64,8 +55,8 @@ def mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float | None,
     """Model FLOPs utilisation: the fraction of the hardware's peak the model uses.
 
     `tokens_per_s` is the throughput of the whole run (all devices together),
-    `peak_flops` the peak FLOP/s of one device. Return None when the peak is unknown
-    (None or 0): an MFU against a made-up peak would mislead.
+    `peak_flops` the peak FLOP/s of one device (chapter 01, section 5). Return None when
+    the peak is unknown (None or 0): an MFU against a made-up peak would mislead.
     """
     raise NotImplementedError(
         "mfu is not written yet (`python -m exercises.grade 01 --hint` gives a hint)")

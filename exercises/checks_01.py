@@ -107,22 +107,41 @@ def _mfu(impl):
 
 
 # Tiered hints, shown one at a time by `python -m exercises.grade 01 --hint` (moved out of the stub, which poses the problem).
+_COUNT = (
+    "count_params: count every Parameter once: the token embedding (vocab_size x n_embd), "
+    "the position table (block_size x n_embd), per block two LayerNorms, the qkv and output "
+    "projections of attention and the two MLP matrices, then the final LayerNorm. The head "
+    "is tied to the token embedding, so it adds nothing. cfg.bias switches the biases of "
+    "every Linear and LayerNorm on or off (a LayerNorm always has its gain).")
+_FLOPS = (
+    "flops_per_token, where the terms come from: 6 = 2 FLOPs per multiply-add in the "
+    "forward matmul, 4 in the backward (gradients with respect to the input and to the "
+    "weight). The token table counts in N (as the tied head it is a matmul); the position "
+    "table does not (a lookup does no arithmetic). 12 * L * T * d is attention's own work "
+    "(scores q @ k^T and the weighted sum of values, each 2 * T * d per token per layer "
+    "forward, times 3 with backward), counted over the full T x T square although the "
+    "causal mask leaves half of it unused.")
+
 HINTS = {
     "_count_small": [
         'count_params: walk GPT.__init__ in minidist/model.py and add up the shape of '
         'each Parameter from the config (an nn.Linear(a, b) holds a*b weights and b '
         'biases; a LayerNorm a gain and, with bias, a bias); the tied head adds nothing',
+        _COUNT,
     ],
     "_count_presets": [
         'count_params: walk GPT.__init__ in minidist/model.py and add up the shape of '
         'each Parameter from the config (an nn.Linear(a, b) holds a*b weights and b '
         'biases; a LayerNorm a gain and, with bias, a bias); the tied head adds nothing',
+        _COUNT,
     ],
     "_flops_exact": [
+        _FLOPS,
         'flops_per_token: N is count_params(cfg) less the position table; the attention'
         ' term grows with seq_len (not block_size)',
     ],
     "_flops_measured": [
+        _FLOPS,
         'flops_per_token: N is count_params(cfg) less the position table; the attention'
         ' term grows with seq_len (not block_size)',
     ],
