@@ -18,9 +18,10 @@ A training step with it (the calls of torch.amp.GradScaler, which it mirrors):
     scaler.step(opt)                # opt.step(), unless some gradient was not finite
     scaler.update()                 # back off or grow S for the next step
 
-Implement LossScaler below, replacing each `raise NotImplementedError(...)`.
+Implement LossScaler below, replacing each `raise NotImplementedError(...)`. Chapter 05,
+sections 3 and 4, explains the rules.
 
-Rules (the grader checks each):
+The contract (the grader checks each):
 - scale(loss) returns loss * S, a tensor backward can run on. get_scale() returns S, a
   Python float.
 - unscale_(optimizer) divides in place every gradient the optimizer holds (p.grad of each
@@ -41,9 +42,10 @@ Rules (the grader checks each):
 - update() moves S for the next step, by GradScaler's rule plus hysteresis:
   * Overflow: once `hysteresis` consecutive steps have overflowed, S =
     max(S * backoff_factor, min_scale), at this overflow and at every further one of
-    the same streak; an overflow also restarts the count of clean steps. With hysteresis=1 every
-    overflow backs off (GradScaler's rule); with hysteresis=2 a lone overflow is skipped
-    but does not lower S (DeepSpeed's hysteresis, with consecutive_hysteresis=True).
+    the same streak; an overflow also restarts the count of clean steps. With
+    hysteresis=1 every overflow backs off (GradScaler's rule); with hysteresis=2 a lone
+    overflow is skipped but does not lower S (DeepSpeed's hysteresis, with
+    consecutive_hysteresis=True).
   * An overflow that would back off while S is already at min_scale raises
     FloatingPointError: gradients that overflow at the smallest allowed scale are not an
     underflow problem, the run is diverging. Say so in the message, and what to try
