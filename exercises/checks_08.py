@@ -783,7 +783,14 @@ def _bytes(impl):
         assert total >= low, (
             f"{where}, less than one float32 weight and two AdamW moments for each of the "
             f"{psi} parameter elements (12 x {psi} = {low}): something is not saved")
-        if total <= high:
+        if total <= high:  # each element once; then each by the rank whose shard holds it
+            mine = 12 * sum(u["chunk"] for u in units) + 1024  # its shards, a step counter
+            for r, b in enumerate(got):
+                assert b <= mine, (
+                    f"on {n} ranks, rank {r} wrote {b} bytes, more than its shards hold (12 "
+                    f"bytes x {sum(u['chunk'] for u in units)} elements): every rank writes "
+                    "only what it holds, each weight by the rank whose shard holds it; one rank "
+                    "writing for the others is the bottleneck a sharded checkpoint avoids")
             continue
         own = sum(res["tensor_bytes"] for res in per_rank)
         if total > own + 1024 * n:
@@ -928,8 +935,50 @@ def reference_load(path, model, opt) -> int:
 
 
 # Tiered hints, shown one at a time by `python -m exercises.grade 08 --hint` (moved out of the stub, which poses the problem).
+_PIECES = (
+    "pieces_of: lay the unit's parameters out as the buffer does (sorted by group, a stable "
+    "sort), each over [offset, offset + numel) of the flat buffer; rank r's window is "
+    "[r*S, (r+1)*S). A piece is the intersection of the window with one parameter's range, "
+    "when it is not empty.")
+_READ = (
+    "read: copy the part of each piece that overlaps [start, start + n) into its place in "
+    "the result, and keep track of which elements some piece covered: any left uncovered "
+    "means a damaged checkpoint (ValueError naming the key).")
+_SAVE_PIECES = (
+    "save, the pieces: for every unit u and every (name, start, a, b) of "
+    "pieces_of(layout_of(u, names), rank, world): ('model/' + name, start, "
+    "u.flat[a:b].clone()) and, for each AdamW moment k, ('optim/' + name + '/' + k, start, "
+    "flats[k][a - u.lo:b - u.lo].clone()), with flats from shard_state(opt, u); plus "
+    "AdamW's 0-dim state (its step counter), this rank's RNG state (torch.get_rng_state()), "
+    "the step and the world size, in one file per rank written with torch.save.")
+_CLONE = (
+    "clone() each piece: torch.save writes a view's whole storage (the entire unit), not "
+    "just the view's elements, so an unclone'd slice writes every element many times.")
+_ATOMIC = (
+    "save, atomically: the ranks write into a hidden folder, root/.tmp_step_{step:08d} (a "
+    "name starting with '.' is not a checkpoint), which rank 0 first empties (a save that "
+    "was killed may have left it: shutil.rmtree(tmp, ignore_errors=True)) and creates; a "
+    "dist.barrier() so nobody writes before it exists; the files; a barrier so every file "
+    "is on disk; then rank 0 renames the folder into place (os.replace(tmp, final)), the "
+    "last thing it writes; a last barrier. A rename is atomic: a kill at any moment leaves "
+    "the new checkpoint whole or invisible, and the previous ones untouched.")
+_LOAD = (
+    "load: torch.load every file of the folder (weights_only=True) and index their pieces "
+    "by key. The weights are replicated: every rank reads every parameter whole, "
+    "p.data.view(-1).copy_(read(pieces, 'model/' + name, 0, p.numel())), not only its "
+    "shard. The moments are sharded: for each unit build flats = {k: "
+    "torch.zeros_like(u.shard)}, fill, for each (name, start, a, b) of pieces_of(...), "
+    "flats[k][a - u.lo:b - u.lo] from read(pieces, 'optim/' + name + '/' + k, start, b - a), "
+    "and set_shard_state(opt, u, flats, scalars) with the saved 0-dim state: AdamW's step "
+    "counter must come back too (its bias correction depends on it).")
+_RNG = (
+    "load, the RNG: when the checkpoint was saved by as many ranks as load runs on, rank r "
+    "restores rank r's saved state (torch.set_rng_state), so that dropout draws the masks "
+    "the uninterrupted run would have; on another number of ranks leave it alone.")
+
 HINTS = {
     "_pieces_one_group": [
+        _PIECES,
         'pieces_of: order = the layout sorted by group (sorted(layout, key=lambda e: '
         'e[2]) is stable); total = sum of numels; S = ceil(total / world) (the buffer '
         'is padded to S * world); lo, hi = rank * S, (rank + 1) * S; offset = 0; for '
@@ -937,6 +986,7 @@ HINTS = {
         ' < b: append (name, a - offset, a, b); offset += numel',
     ],
     "_pieces_padded": [
+        _PIECES,
         'pieces_of: order = the layout sorted by group (sorted(layout, key=lambda e: '
         'e[2]) is stable); total = sum of numels; S = ceil(total / world) (the buffer '
         'is padded to S * world); lo, hi = rank * S, (rank + 1) * S; offset = 0; for '
@@ -944,6 +994,7 @@ HINTS = {
         ' < b: append (name, a - offset, a, b); offset += numel',
     ],
     "_read_assembles": [
+        _READ,
         "read: out = torch.empty(n, dtype of the key's pieces); have = torch.zeros(n, "
         'dtype=torch.bool); for s, t in pieces[key]: a, b = max(start, s), min(start + '
         'n, s + t.numel()); if a < b: out[a - start:b - start] = t[a - s:b - s] and '
@@ -951,6 +1002,7 @@ HINTS = {
         ' key and the first missing element; return out',
     ],
     "_read_gaps": [
+        _READ,
         "read: out = torch.empty(n, dtype of the key's pieces); have = torch.zeros(n, "
         'dtype=torch.bool); for s, t in pieces[key]: a, b = max(start, s), min(start + '
         'n, s + t.numel()); if a < b: out[a - start:b - start] = t[a - s:b - s] and '
@@ -958,6 +1010,7 @@ HINTS = {
         ' key and the first missing element; return out',
     ],
     "_atomic": [
+        _ATOMIC,
         "save: final, tmp = root/f'step_{step:08d}', root/f'.tmp_step_{step:08d}'; rank"
         ' 0: shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True); '
         'dist.barrier(); for u in opt.units: flats, scalars = shard_state(opt, u); for '
@@ -968,6 +1021,7 @@ HINTS = {
         'rank 0: os.replace(tmp, final); barrier; return final',
     ],
     "_bytes": [
+        _SAVE_PIECES, _CLONE,
         "save: final, tmp = root/f'step_{step:08d}', root/f'.tmp_step_{step:08d}'; rank"
         ' 0: shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True); '
         'dist.barrier(); for u in opt.units: flats, scalars = shard_state(opt, u); for '
@@ -978,6 +1032,7 @@ HINTS = {
         'rank 0: os.replace(tmp, final); barrier; return final',
     ],
     "_loaded": [
+        _SAVE_PIECES, _LOAD,
         "save: final, tmp = root/f'step_{step:08d}', root/f'.tmp_step_{step:08d}'; rank"
         ' 0: shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True); '
         'dist.barrier(); for u in opt.units: flats, scalars = shard_state(opt, u); for '
@@ -996,6 +1051,7 @@ HINTS = {
         "torch.set_rng_state(rank's own); return the step",
     ],
     "_continues": [
+        _LOAD,
         "save: final, tmp = root/f'step_{step:08d}', root/f'.tmp_step_{step:08d}'; rank"
         ' 0: shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True); '
         'dist.barrier(); for u in opt.units: flats, scalars = shard_state(opt, u); for '
@@ -1014,6 +1070,7 @@ HINTS = {
         "torch.set_rng_state(rank's own); return the step",
     ],
     "_same_world": [
+        _RNG,
         "save: final, tmp = root/f'step_{step:08d}', root/f'.tmp_step_{step:08d}'; rank"
         ' 0: shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True); '
         'dist.barrier(); for u in opt.units: flats, scalars = shard_state(opt, u); for '

@@ -77,13 +77,16 @@ def plain_save(root, step, model, opt, mistake=None):
         flats, sc = E8.shard_state(opt, u)
         scalars.update(sc)
         for name, start, a, b in plain_pieces_of(E8.layout_of(u, names), rank, world):
-            if mistake != "every rank writes every weight":
+            if mistake not in ("every rank writes every weight", "rank 0 writes every weight"):
                 w = u.flat[a:b] if mistake == "slices not cloned" else u.flat[a:b].clone()
                 pieces.append((f"model/{name}", start, w))
             for k, flat in flats.items():
                 pieces.append((f"optim/{name}/{k}", start, flat[a - u.lo:b - u.lo].clone()))
     if mistake == "every rank writes every weight":  # replicated, so written N times
         pieces += [(f"model/{names[id(p)]}", 0, p.detach().reshape(-1).clone()) for p in model.parameters()]
+    if mistake == "rank 0 writes every weight" and rank == 0:  # each once, but all by one rank
+        pieces += [(f"model/{name}", 0, p.detach().reshape(-1).clone())
+                   for name, p in model.named_parameters()]
     torch.save({"pieces": pieces, "scalars": scalars, "rng": torch.get_rng_state(), "step": step,
                 "world": world, "rank": rank}, tmp / f"rank_{rank:05d}.pt")
     dist.barrier()
@@ -146,6 +149,7 @@ RANK_MISTAKES = {
     "leftover kept": ("save", {"atomic": "saving step 2 again failed"}),
     "every rank writes every weight": ("save", {"bytes": "every rank wrote every weight"}),
     "slices not cloned": ("save", {"bytes": "clone()"}),
+    "rank 0 writes every weight": ("save", {"bytes": "every rank writes only what it holds"}),
     "AdamW step restarted": ("load", {"loaded": "step counter", "continues": "one process",
                                       "same": "step counter"}),
     "RNG not restored": ("load", {"same": "RNG state"}),
