@@ -11,8 +11,10 @@ Implement the three functions, replacing each `raise NotImplementedError(...)`:
 - flops_per_token(cfg, T):     training FLOPs per token at sequence length T
 - mfu(fpt, tokens_per_s, ...): model FLOPs utilisation
 
-Work from the config alone: build no model (the grader builds the models and checks
-your formula against them, up to GPT-2 XL's 1.5 billion parameters).
+Rule, enforced in every check (a check that breaks it scores 0): work from the config
+alone, build no model (minidist.model.GPT trips while your code runs; the grader builds
+the models and checks your formula against them, up to GPT-2 XL's 1.5 billion
+parameters).
 
 Grade your work with
 
