@@ -574,6 +574,25 @@ def _unscale_shards(impl):
                     "the step and the other takes it, and their parameters drift apart")
 
 
+# hints that several checks share
+_HINT_UNSCALE = (
+    "unscale_: grads = [p.grad for g in optimizer.param_groups for p in g['params']"
+    ' if p.grad is not None]; g.div_(S) for each (or torch._foreach_mul_(grads, 1 /'
+    ' S)); flag = torch.tensor([0. if all(torch.isfinite(g).all() for g in grads) '
+    'else 1.]); if dist.is_initialized() and dist.get_world_size() > 1: '
+    'dist.all_reduce(flag, op=dist.ReduceOp.MAX); remember bool(flag.item())')
+_HINT_STEP = (
+    'step: call self.unscale_(optimizer) unless it already ran this step; then '
+    'return optimizer.step() if the verdict is clean, else return None without '
+    'touching the optimizer')
+_HINT_UPDATE = (
+    'update: on overflow, streak += 1 and tracker = 0, and once streak >= '
+    'hysteresis raise FloatingPointError if S <= min_scale (say what to try), else '
+    'S = max(S * backoff_factor, min_scale); on a clean step, streak = 0 and '
+    'tracker += 1, and when tracker == growth_interval grow S unless S * '
+    'growth_factor > torch.finfo(torch.float32).max, and tracker = 0. Then reset '
+    'the verdict for the next step')
+
 # Tiered hints, shown one at a time by `python -m exercises.grade 05 --hint`.
 HINTS = {
     "_scale_unscale": [
@@ -583,68 +602,36 @@ HINTS = {
         'the methods below',
         "scale: return loss * S (S a Python float keeps loss's dtype)",
         'get_scale: return the current scale as a Python float',
-        "unscale_: grads = [p.grad for g in optimizer.param_groups for p in g['params']"
-        ' if p.grad is not None]; g.div_(S) for each (or torch._foreach_mul_(grads, 1 /'
-        ' S)); flag = torch.tensor([0. if all(torch.isfinite(g).all() for g in grads) '
-        'else 1.]); if dist.is_initialized() and dist.get_world_size() > 1: '
-        'dist.all_reduce(flag, op=dist.ReduceOp.MAX); remember bool(flag.item())',
+        _HINT_UNSCALE,
     ],
     "_random_overflows": [
         "Keep two counters: the growth tracker (clean steps since the last overflow or "
         "growth) and the overflow streak (consecutive overflowing steps up to now). An "
         "overflow grows the streak by one and puts the tracker back to 0; a clean step puts "
         "the streak back to 0 and grows the tracker by one.",
-        'step: call self.unscale_(optimizer) unless it already ran this step; then '
-        'return optimizer.step() if the verdict is clean, else return None without '
-        'touching the optimizer',
-        'update: on overflow, streak += 1 and tracker = 0, and once streak >= '
-        'hysteresis raise FloatingPointError if S <= min_scale (say what to try), else '
-        'S = max(S * backoff_factor, min_scale); on a clean step, streak = 0 and '
-        'tracker += 1, and when tracker == growth_interval grow S unless S * '
-        'growth_factor > torch.finfo(torch.float32).max, and tracker = 0. Then reset '
-        'the verdict for the next step',
+        _HINT_STEP,
+        _HINT_UPDATE,
     ],
     "_parameters": [
-        'step: call self.unscale_(optimizer) unless it already ran this step; then '
-        'return optimizer.step() if the verdict is clean, else return None without '
-        'touching the optimizer',
+        _HINT_STEP,
     ],
     "_ceiling": [
-        'update: on overflow, streak += 1 and tracker = 0, and once streak >= '
-        'hysteresis raise FloatingPointError if S <= min_scale (say what to try), else '
-        'S = max(S * backoff_factor, min_scale); on a clean step, streak = 0 and '
-        'tracker += 1, and when tracker == growth_interval grow S unless S * '
-        'growth_factor > torch.finfo(torch.float32).max, and tracker = 0. Then reset '
-        'the verdict for the next step',
+        _HINT_UPDATE,
     ],
     "_hysteresis": [
         "Keep two counters: the growth tracker (clean steps since the last overflow or "
         "growth) and the overflow streak (consecutive overflowing steps up to now). Back "
         "off once the streak reaches hysteresis, and again at every further overflow of the "
         "same streak.",
-        'update: on overflow, streak += 1 and tracker = 0, and once streak >= '
-        'hysteresis raise FloatingPointError if S <= min_scale (say what to try), else '
-        'S = max(S * backoff_factor, min_scale); on a clean step, streak = 0 and '
-        'tracker += 1, and when tracker == growth_interval grow S unless S * '
-        'growth_factor > torch.finfo(torch.float32).max, and tracker = 0. Then reset '
-        'the verdict for the next step',
+        _HINT_UPDATE,
     ],
     "_nonfinite": [
         "torch.isfinite says no to inf, -inf and NaN alike; inf / S is still inf and NaN / S "
         "still NaN, so you may look before or after dividing.",
-        "unscale_: grads = [p.grad for g in optimizer.param_groups for p in g['params']"
-        ' if p.grad is not None]; g.div_(S) for each (or torch._foreach_mul_(grads, 1 /'
-        ' S)); flag = torch.tensor([0. if all(torch.isfinite(g).all() for g in grads) '
-        'else 1.]); if dist.is_initialized() and dist.get_world_size() > 1: '
-        'dist.all_reduce(flag, op=dist.ReduceOp.MAX); remember bool(flag.item())',
+        _HINT_UNSCALE,
     ],
     "_min_scale": [
-        'update: on overflow, streak += 1 and tracker = 0, and once streak >= '
-        'hysteresis raise FloatingPointError if S <= min_scale (say what to try), else '
-        'S = max(S * backoff_factor, min_scale); on a clean step, streak = 0 and '
-        'tracker += 1, and when tracker == growth_interval grow S unless S * '
-        'growth_factor > torch.finfo(torch.float32).max, and tracker = 0. Then reset '
-        'the verdict for the next step',
+        _HINT_UPDATE,
     ],
     "_state_dict": [
         'state_dict: return a dict of plain numbers: the scale, the growth tracker, the'
@@ -656,11 +643,7 @@ HINTS = {
         "The verdict must be the same on every rank: all-reduce it as a float flag (1. "
         "overflow, 0. clean) with op=dist.ReduceOp.MAX, on every rank, every step, overflow "
         "or not, when dist.is_initialized() and dist.get_world_size() > 1.",
-        "unscale_: grads = [p.grad for g in optimizer.param_groups for p in g['params']"
-        ' if p.grad is not None]; g.div_(S) for each (or torch._foreach_mul_(grads, 1 /'
-        ' S)); flag = torch.tensor([0. if all(torch.isfinite(g).all() for g in grads) '
-        'else 1.]); if dist.is_initialized() and dist.get_world_size() > 1: '
-        'dist.all_reduce(flag, op=dist.ReduceOp.MAX); remember bool(flag.item())',
+        _HINT_UNSCALE,
     ],
     "_unscale_shards": [
         "Which gradients can one rank see under ZeRO-2, and which rank decides whether the "

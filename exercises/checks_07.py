@@ -571,6 +571,17 @@ _MUON_GATHER = (
     "round's all_gather, also the owner of a matrix without a gradient, and a rank that "
     "owns nothing in a round.")
 
+# hints that several checks share
+_HINT_STEP = (
+    'step: rank, world = self._world(); items = [(p, g) for g in self.param_groups '
+    "for p in g['params']]. One rank: self._apply(p, self._update(p, g), g) for "
+    'each p with a grad. N ranks: sort the items by cost, largest first, in rounds '
+    'of N; per round send = zeros(1 + largest numel, ns_dtype); rank r, owner of '
+    "the round's r-th item, writes [1, update.flatten()] if it has a grad; every "
+    'rank, every round: dist.all_gather(recv, send, group=self.group, '
+    'async_op=True); then wait, and self._apply(p, recv[r][1:1 + p.numel()], g) '
+    'where recv[r][0] == 1')
+
 HINTS = {
     "_singular_values": [_NS_ITERATION, _NS_TALL_BATCH, _NS_BITS, _NS_RECIPE],
     "_tall": [_NS_ITERATION, _NS_TALL_BATCH, _NS_BITS, _NS_RECIPE],
@@ -584,46 +595,18 @@ HINTS = {
         "torch.zeros_like(p)); buf.lerp_(p.grad, 1 - g['momentum']); M = "
         "p.grad.lerp(buf, g['momentum']) if g['nesterov'] else buf; return "
         "ns_reference(M, g['ns_steps'], self.ns_dtype)",
-        'step: rank, world = self._world(); items = [(p, g) for g in self.param_groups '
-        "for p in g['params']]. One rank: self._apply(p, self._update(p, g), g) for "
-        'each p with a grad. N ranks: sort the items by cost, largest first, in rounds '
-        'of N; per round send = zeros(1 + largest numel, ns_dtype); rank r, owner of '
-        "the round's r-th item, writes [1, update.flatten()] if it has a grad; every "
-        'rank, every round: dist.all_gather(recv, send, group=self.group, '
-        'async_op=True); then wait, and self._apply(p, recv[r][1:1 + p.numel()], g) '
-        'where recv[r][0] == 1',
+        _HINT_STEP,
     ],
     "_distributed": [
         _MUON_OWNERS, _MUON_GATHER,
-        'step: rank, world = self._world(); items = [(p, g) for g in self.param_groups '
-        "for p in g['params']]. One rank: self._apply(p, self._update(p, g), g) for "
-        'each p with a grad. N ranks: sort the items by cost, largest first, in rounds '
-        'of N; per round send = zeros(1 + largest numel, ns_dtype); rank r, owner of '
-        "the round's r-th item, writes [1, update.flatten()] if it has a grad; every "
-        'rank, every round: dist.all_gather(recv, send, group=self.group, '
-        'async_op=True); then wait, and self._apply(p, recv[r][1:1 + p.numel()], g) '
-        'where recv[r][0] == 1',
+        _HINT_STEP,
     ],
     "_sharded_state": [
         _MUON_OWNERS,
-        'step: rank, world = self._world(); items = [(p, g) for g in self.param_groups '
-        "for p in g['params']]. One rank: self._apply(p, self._update(p, g), g) for "
-        'each p with a grad. N ranks: sort the items by cost, largest first, in rounds '
-        'of N; per round send = zeros(1 + largest numel, ns_dtype); rank r, owner of '
-        "the round's r-th item, writes [1, update.flatten()] if it has a grad; every "
-        'rank, every round: dist.all_gather(recv, send, group=self.group, '
-        'async_op=True); then wait, and self._apply(p, recv[r][1:1 + p.numel()], g) '
-        'where recv[r][0] == 1',
+        _HINT_STEP,
     ],
     "_missing_grads": [
         _MUON_GATHER,
-        'step: rank, world = self._world(); items = [(p, g) for g in self.param_groups '
-        "for p in g['params']]. One rank: self._apply(p, self._update(p, g), g) for "
-        'each p with a grad. N ranks: sort the items by cost, largest first, in rounds '
-        'of N; per round send = zeros(1 + largest numel, ns_dtype); rank r, owner of '
-        "the round's r-th item, writes [1, update.flatten()] if it has a grad; every "
-        'rank, every round: dist.all_gather(recv, send, group=self.group, '
-        'async_op=True); then wait, and self._apply(p, recv[r][1:1 + p.numel()], g) '
-        'where recv[r][0] == 1',
+        _HINT_STEP,
     ],
 }

@@ -976,116 +976,76 @@ _RNG = (
     "restores rank r's saved state (torch.set_rng_state), so that dropout draws the masks "
     "the uninterrupted run would have; on another number of ranks leave it alone.")
 
+# hints that several checks share
+_HINT_PIECES_OF = (
+    'pieces_of: order = the layout sorted by group (sorted(layout, key=lambda e: '
+    'e[2]) is stable); total = sum of numels; S = ceil(total / world) (the buffer '
+    'is padded to S * world); lo, hi = rank * S, (rank + 1) * S; offset = 0; for '
+    'name, numel, _ in order: a, b = max(lo, offset), min(hi, offset + numel); if a'
+    ' < b: append (name, a - offset, a, b); offset += numel')
+_HINT_READ = (
+    "read: out = torch.empty(n, dtype of the key's pieces); have = torch.zeros(n, "
+    'dtype=torch.bool); for s, t in pieces[key]: a, b = max(start, s), min(start + '
+    'n, s + t.numel()); if a < b: out[a - start:b - start] = t[a - s:b - s] and '
+    'mark have[a - start:b - start]; if not have.all(): raise ValueError naming the'
+    ' key and the first missing element; return out')
+_HINT_SAVE = (
+    "save: final, tmp = root/f'step_{step:08d}', root/f'.tmp_step_{step:08d}'; rank"
+    ' 0: shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True); '
+    'dist.barrier(); for u in opt.units: flats, scalars = shard_state(opt, u); for '
+    '(name, start, a, b) in pieces_of(layout_of(u, names), rank, world): '
+    "('model/'+name, start, u.flat[a:b].clone()), and ('optim/'+name+'/'+k, start, "
+    'flats[k][a-u.lo:b-u.lo].clone()) for each k; torch.save(those pieces, scalars,'
+    " torch.get_rng_state(), step, world) to tmp/f'rank_{rank:05d}.pt'; barrier; "
+    'rank 0: os.replace(tmp, final); barrier; return final')
+_HINT_LOAD = (
+    'load: torch.load(f, weights_only=True) each file of the folder; pieces = {key:'
+    ' [(start, t), ...]} from all; with torch.no_grad(): each parameter p, whole: '
+    "p.data.view(-1).copy_(read(pieces, 'model/'+name, 0, p.numel())); for u in "
+    'opt.units: flats = {k: torch.zeros_like(u.shard)} per moment k; for (name, '
+    'start, a, b) in pieces_of(layout_of(u, names), rank, world): '
+    "flats[k][a-u.lo:b-u.lo] = read(pieces, f'optim/{name}/{k}', start, b-a); "
+    'set_shard_state(opt, u, flats, scalars saved); same world size: '
+    "torch.set_rng_state(rank's own); return the step")
+
 HINTS = {
     "_pieces_one_group": [
         _PIECES,
-        'pieces_of: order = the layout sorted by group (sorted(layout, key=lambda e: '
-        'e[2]) is stable); total = sum of numels; S = ceil(total / world) (the buffer '
-        'is padded to S * world); lo, hi = rank * S, (rank + 1) * S; offset = 0; for '
-        'name, numel, _ in order: a, b = max(lo, offset), min(hi, offset + numel); if a'
-        ' < b: append (name, a - offset, a, b); offset += numel',
+        _HINT_PIECES_OF,
     ],
     "_pieces_padded": [
         _PIECES,
-        'pieces_of: order = the layout sorted by group (sorted(layout, key=lambda e: '
-        'e[2]) is stable); total = sum of numels; S = ceil(total / world) (the buffer '
-        'is padded to S * world); lo, hi = rank * S, (rank + 1) * S; offset = 0; for '
-        'name, numel, _ in order: a, b = max(lo, offset), min(hi, offset + numel); if a'
-        ' < b: append (name, a - offset, a, b); offset += numel',
+        _HINT_PIECES_OF,
     ],
     "_read_assembles": [
         _READ,
-        "read: out = torch.empty(n, dtype of the key's pieces); have = torch.zeros(n, "
-        'dtype=torch.bool); for s, t in pieces[key]: a, b = max(start, s), min(start + '
-        'n, s + t.numel()); if a < b: out[a - start:b - start] = t[a - s:b - s] and '
-        'mark have[a - start:b - start]; if not have.all(): raise ValueError naming the'
-        ' key and the first missing element; return out',
+        _HINT_READ,
     ],
     "_read_gaps": [
         _READ,
-        "read: out = torch.empty(n, dtype of the key's pieces); have = torch.zeros(n, "
-        'dtype=torch.bool); for s, t in pieces[key]: a, b = max(start, s), min(start + '
-        'n, s + t.numel()); if a < b: out[a - start:b - start] = t[a - s:b - s] and '
-        'mark have[a - start:b - start]; if not have.all(): raise ValueError naming the'
-        ' key and the first missing element; return out',
+        _HINT_READ,
     ],
     "_atomic": [
         _ATOMIC,
-        "save: final, tmp = root/f'step_{step:08d}', root/f'.tmp_step_{step:08d}'; rank"
-        ' 0: shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True); '
-        'dist.barrier(); for u in opt.units: flats, scalars = shard_state(opt, u); for '
-        '(name, start, a, b) in pieces_of(layout_of(u, names), rank, world): '
-        "('model/'+name, start, u.flat[a:b].clone()), and ('optim/'+name+'/'+k, start, "
-        'flats[k][a-u.lo:b-u.lo].clone()) for each k; torch.save(those pieces, scalars,'
-        " torch.get_rng_state(), step, world) to tmp/f'rank_{rank:05d}.pt'; barrier; "
-        'rank 0: os.replace(tmp, final); barrier; return final',
+        _HINT_SAVE,
     ],
     "_bytes": [
         _SAVE_PIECES, _CLONE,
-        "save: final, tmp = root/f'step_{step:08d}', root/f'.tmp_step_{step:08d}'; rank"
-        ' 0: shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True); '
-        'dist.barrier(); for u in opt.units: flats, scalars = shard_state(opt, u); for '
-        '(name, start, a, b) in pieces_of(layout_of(u, names), rank, world): '
-        "('model/'+name, start, u.flat[a:b].clone()), and ('optim/'+name+'/'+k, start, "
-        'flats[k][a-u.lo:b-u.lo].clone()) for each k; torch.save(those pieces, scalars,'
-        " torch.get_rng_state(), step, world) to tmp/f'rank_{rank:05d}.pt'; barrier; "
-        'rank 0: os.replace(tmp, final); barrier; return final',
+        _HINT_SAVE,
     ],
     "_loaded": [
         _SAVE_PIECES, _LOAD,
-        "save: final, tmp = root/f'step_{step:08d}', root/f'.tmp_step_{step:08d}'; rank"
-        ' 0: shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True); '
-        'dist.barrier(); for u in opt.units: flats, scalars = shard_state(opt, u); for '
-        '(name, start, a, b) in pieces_of(layout_of(u, names), rank, world): '
-        "('model/'+name, start, u.flat[a:b].clone()), and ('optim/'+name+'/'+k, start, "
-        'flats[k][a-u.lo:b-u.lo].clone()) for each k; torch.save(those pieces, scalars,'
-        " torch.get_rng_state(), step, world) to tmp/f'rank_{rank:05d}.pt'; barrier; "
-        'rank 0: os.replace(tmp, final); barrier; return final',
-        'load: torch.load(f, weights_only=True) each file of the folder; pieces = {key:'
-        ' [(start, t), ...]} from all; with torch.no_grad(): each parameter p, whole: '
-        "p.data.view(-1).copy_(read(pieces, 'model/'+name, 0, p.numel())); for u in "
-        'opt.units: flats = {k: torch.zeros_like(u.shard)} per moment k; for (name, '
-        'start, a, b) in pieces_of(layout_of(u, names), rank, world): '
-        "flats[k][a-u.lo:b-u.lo] = read(pieces, f'optim/{name}/{k}', start, b-a); "
-        'set_shard_state(opt, u, flats, scalars saved); same world size: '
-        "torch.set_rng_state(rank's own); return the step",
+        _HINT_SAVE,
+        _HINT_LOAD,
     ],
     "_continues": [
         _LOAD,
-        "save: final, tmp = root/f'step_{step:08d}', root/f'.tmp_step_{step:08d}'; rank"
-        ' 0: shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True); '
-        'dist.barrier(); for u in opt.units: flats, scalars = shard_state(opt, u); for '
-        '(name, start, a, b) in pieces_of(layout_of(u, names), rank, world): '
-        "('model/'+name, start, u.flat[a:b].clone()), and ('optim/'+name+'/'+k, start, "
-        'flats[k][a-u.lo:b-u.lo].clone()) for each k; torch.save(those pieces, scalars,'
-        " torch.get_rng_state(), step, world) to tmp/f'rank_{rank:05d}.pt'; barrier; "
-        'rank 0: os.replace(tmp, final); barrier; return final',
-        'load: torch.load(f, weights_only=True) each file of the folder; pieces = {key:'
-        ' [(start, t), ...]} from all; with torch.no_grad(): each parameter p, whole: '
-        "p.data.view(-1).copy_(read(pieces, 'model/'+name, 0, p.numel())); for u in "
-        'opt.units: flats = {k: torch.zeros_like(u.shard)} per moment k; for (name, '
-        'start, a, b) in pieces_of(layout_of(u, names), rank, world): '
-        "flats[k][a-u.lo:b-u.lo] = read(pieces, f'optim/{name}/{k}', start, b-a); "
-        'set_shard_state(opt, u, flats, scalars saved); same world size: '
-        "torch.set_rng_state(rank's own); return the step",
+        _HINT_SAVE,
+        _HINT_LOAD,
     ],
     "_same_world": [
         _RNG,
-        "save: final, tmp = root/f'step_{step:08d}', root/f'.tmp_step_{step:08d}'; rank"
-        ' 0: shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True); '
-        'dist.barrier(); for u in opt.units: flats, scalars = shard_state(opt, u); for '
-        '(name, start, a, b) in pieces_of(layout_of(u, names), rank, world): '
-        "('model/'+name, start, u.flat[a:b].clone()), and ('optim/'+name+'/'+k, start, "
-        'flats[k][a-u.lo:b-u.lo].clone()) for each k; torch.save(those pieces, scalars,'
-        " torch.get_rng_state(), step, world) to tmp/f'rank_{rank:05d}.pt'; barrier; "
-        'rank 0: os.replace(tmp, final); barrier; return final',
-        'load: torch.load(f, weights_only=True) each file of the folder; pieces = {key:'
-        ' [(start, t), ...]} from all; with torch.no_grad(): each parameter p, whole: '
-        "p.data.view(-1).copy_(read(pieces, 'model/'+name, 0, p.numel())); for u in "
-        'opt.units: flats = {k: torch.zeros_like(u.shard)} per moment k; for (name, '
-        'start, a, b) in pieces_of(layout_of(u, names), rank, world): '
-        "flats[k][a-u.lo:b-u.lo] = read(pieces, f'optim/{name}/{k}', start, b-a); "
-        'set_shard_state(opt, u, flats, scalars saved); same world size: '
-        "torch.set_rng_state(rank's own); return the step",
+        _HINT_SAVE,
+        _HINT_LOAD,
     ],
 }
