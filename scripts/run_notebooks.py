@@ -154,13 +154,16 @@ def check_notebook(nb, name: str) -> list[str]:
     return problems
 
 
+def _name(path) -> str:
+    """notebooks/NN_name.ipynb for a notebook in the repository, else the file's name."""
+    path = pathlib.Path(path).resolve()
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.name
+
+
 def check_stored(path) -> list[str]:
     """check_notebook on the file at `path`, plus its size against MAX_NOTEBOOK_BYTES."""
     path = pathlib.Path(path)
-    try:
-        name = path.resolve().relative_to(ROOT).as_posix()
-    except ValueError:
-        name = path.name
+    name = _name(path)
     problems = check_notebook(json.loads(path.read_text(encoding="utf-8")), name)
     size = path.stat().st_size
     if size > MAX_NOTEBOOK_BYTES:
@@ -262,7 +265,7 @@ def run_one(path: pathlib.Path, timeout: int, host: str) -> tuple[float, int]:
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError
 
-    name = path.resolve().relative_to(ROOT).as_posix()
+    name = _name(path)
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}})
@@ -290,7 +293,7 @@ def run_one(path: pathlib.Path, timeout: int, host: str) -> tuple[float, int]:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     problems = check_stored(tmp)
-    problems = [p.replace(tmp.resolve().relative_to(ROOT).as_posix(), name) for p in problems]
+    problems = [p.replace(_name(tmp), name) for p in problems]
     if problems:
         tmp.unlink()
         raise NotebookFailed("\n".join(problems) + f"\n{name}: not written")
