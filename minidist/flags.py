@@ -177,8 +177,6 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
     if args.zero_stage and args.dp != "bucketed":  # (bucketed is the default)
         p.error(f"--dp {args.dp} with --zero-stage {args.zero_stage}: ZeRO does its own gradient "
                 "averaging (reduce-scatters during backward); drop --dp, or use --zero-stage 0")
-    if args.zero_stage == 3 and args.optimizer == "muon":
-        p.error("Muon under ZeRO-3 is not built yet: use --zero-stage 1 or 2")
     if args.checkpoint_every < 0 or args.keep_checkpoints < 1:
         p.error("--checkpoint-every must be >= 0 and --keep-checkpoints >= 1")
     _check_out_dir(p, Path(args.out_dir))

@@ -83,6 +83,7 @@ class Muon(torch.optim.Optimizer):
         self.ns_dtype, self.group, self.bucket_mb, self.batched = ns_dtype, group, bucket_mb, batched
         self.steps_taken = 0  # check_routing reads it: did Muon run at all?
         self.before_step = None  # under ZeRO: brings the gradients to their owners (zero/muon.py)
+        self.to_shards = None  # under ZeRO-3: sends the updates to the shards' holders (zero/muon.py)
 
     def _world(self) -> tuple[int, int]:
         if self.group is None and not (dist.is_available() and dist.is_initialized()):
@@ -165,6 +166,11 @@ class Muon(torch.optim.Optimizer):
             todo = [(p, g) for p, g in items if p.grad is not None]
             for (p, g), update in zip(todo, self._updates(todo)):
                 self._apply(p, update, g)
+            return loss
+        if self.to_shards is not None:  # ZeRO-3: each rank holds shards of the parameters
+            owners = self.owners()
+            mine = [(p, g) for p, g in items if owners[id(p)] == rank and p.grad is not None]
+            self.to_shards({id(p): u for (p, _), u in zip(mine, self._updates(mine))})
             return loss
         # N ranks. The owner computes: in each bucket of rounds, the matrices this rank
         # owns (those with a gradient), batched by shape. One all-gather per bucket then

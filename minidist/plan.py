@@ -148,7 +148,9 @@ def resolve_auto(args, world: int, vocab_size: int) -> str | None:
         return None
     cfg = GPTConfig(**{**PRESETS[args.preset], "block_size": args.seq_len, "vocab_size": vocab_size,
                        **{k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd") if getattr(args, k) is not None}})
-    zero_ok = args.optimizer != "muon" and args.dp == "bucketed"  # what flags.py allows with ZeRO
+    # what flags.py allows with ZeRO; with Muon the plan counts AdamW's two moments for every
+    # parameter where Muon keeps one for its matrices: an over-estimate, on the safe side
+    zero_ok = args.dp == "bucketed"
     stages = ((0, 1, 2, 3) if zero_ok else (0,)) if args.zero_stage == "auto" else (args.zero_stage,)
     accums = None if args.grad_accum_steps == "auto" else [args.grad_accum_steps]
     ckpts = (False, True) if args.activation_checkpointing == "auto" else (args.activation_checkpointing == "blocks",)

@@ -20,23 +20,23 @@ import torch.distributed as dist
 from minidist.ddp import DDP, FlatDDP, NaiveDDP
 from minidist.muon import Muon, split_params
 from minidist.scaler import LossScaler, autocast
-from minidist.zero import MuonUnderZero, zero_optimizer
+from minidist.zero import MuonUnderZero, MuonUnderZero3, zero_optimizer
 
 
 def make_optimizers(model, args) -> list[torch.optim.Optimizer]:
     """AdamW (weight decay on matrices only), sharded by ZeRO when asked; or Muon for the
     hidden matrices plus AdamW for embeddings, head, gains and biases (under ZeRO stages
-    1-2 AdamW's in the shards, Muon's matrices whole: gradient_sync joins them). Each group
+    1-2 AdamW's in the shards, Muon's matrices whole; at stage 3 Muon's matrices sharded
+    too, by the ZeRO-3 optimizer, for Muon to update: gradient_sync joins them). Each group
     remembers its peak lr."""
-    if args.optimizer == "muon" and args.zero_stage == 3:
-        raise ValueError("Muon under ZeRO-3 is not built yet: use --zero-stage 1 or 2")
     hidden, rest = split_params(model) if args.optimizer == "muon" else ([], list(model.parameters()))
     groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": args.weight_decay},
               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
     adamw = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     if args.zero_stage:  # ZeRO averages the gradients itself, with reduce-scatters
+        others = dict(others=hidden) if args.zero_stage == 3 else {}  # ZeRO-3 shards them too
         opts = [zero_optimizer(model, groups, torch.optim.AdamW, args.zero_stage,
-                               bucket_cap_mb=args.bucket_cap_mb, **adamw)]
+                               bucket_cap_mb=args.bucket_cap_mb, **others, **adamw)]
     else:
         opts = [torch.optim.AdamW(groups, **adamw)]
     if hidden:
@@ -56,7 +56,9 @@ def gradient_sync(model, opts, args):
     otherwise DDP as --dp asks."""
     if args.zero_stage:
         muons = [o for o in opts if isinstance(o, Muon)]
-        return MuonUnderZero(opts[0], muons[0]) if muons else opts[0]
+        if not muons:
+            return opts[0]
+        return (MuonUnderZero3 if args.zero_stage == 3 else MuonUnderZero)(opts[0], muons[0])
     if args.dp == "naive":
         return NaiveDDP(model)
     if args.dp == "flat":

@@ -1,12 +1,14 @@
-"""Muon under ZeRO stages 1 and 2 (minidist/zero/muon.py): Muon+AdamW with AdamW's state
+"""Muon under ZeRO stages 1, 2 and 3 (minidist/zero/muon.py): Muon+AdamW with AdamW's state
 and gradients in ZeRO's shards and Muon's matrices reduce-scattered to their owners equals
 one process's Muon+AdamW on the same global batch, at 2 and 3 ranks (3 does not divide the
-tiny GPT's 8 hidden matrices, of 4 shapes), with 1 and 2 micro-steps, clipping, fp32 and
-fp16 with the loss scaler; a run resumed from a checkpoint equals the uninterrupted one,
-to the bit on the same world size and stage, and resharded 2 ranks ZeRO-2 -> 3 ranks ZeRO-1
--> one process; bytes sent and state per rank match their formulas; and train_gpt --optimizer muon --zero-stage 2 on 2 ranks follows one process."""
+tiny GPT's 8 hidden matrices, of 4 shapes) and 4, with 1 and 2 micro-steps, clipping,
+fp32 and fp16 with the loss scaler, at stages 0 (DDP) to 3; a run resumed from a checkpoint
+equals the uninterrupted one, to the bit on the same world size and stage, and resharded 4
+ranks ZeRO-2 -> 2 ranks ZeRO-3 -> one process; bytes sent and state per rank match their formulas; and train_gpt --optimizer muon
+--zero-stage 2 and 3 on 2 ranks follow one process."""
 
 import argparse
+import contextlib
 
 import pytest
 import torch
@@ -18,9 +20,10 @@ from minidist.muon import Muon, check_routing, split_params
 from minidist.scaler import LossScaler, autocast
 from minidist.train import forward_backward, gradient_sync, make_optimizers
 
-BATCH, SEQ, VOCAB, STEPS, CLIP = 12, 16, 64, 3, 0.5  # 12 sequences: split by 2 or 3 ranks x 1 or 2
-# (stage, micro-steps, precision): every fp32 combination, and fp16 with the loss scaler
-CASES = [(s, k, "fp32") for s in (1, 2) for k in (1, 2)] + [(2, 2, "fp16")]
+BATCH, SEQ, VOCAB, STEPS, CLIP = 24, 16, 64, 3, 0.5  # 24 sequences: split by 2, 3 or 4 ranks x 1 or 2
+# (stage, micro-steps, precision): ZeRO stages 0 (DDP) to 3 x 1 or 2 micro-steps x fp32 or
+# fp16 with the loss scaler
+CASES = [(s, k, p) for s in (0, 1, 2, 3) for k in (1, 2) for p in ("fp32", "fp16")]
 
 
 def _args(stage):
@@ -65,6 +68,13 @@ def _train(model, opts, sync, scaler, precision, k, first, last):
     return norms
 
 
+def _params(model, opts) -> dict:
+    """A copy of the full parameters (ZeRO-3 gathers them for the moment)."""
+    gathered = getattr(opts[0], "gathered", contextlib.nullcontext)
+    with gathered():
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 def _ranks(cases):
     torch.set_num_threads(1)  # as the oracle: fp32 matmul sums in an order set by threads
     out = {}
@@ -74,9 +84,13 @@ def _ranks(cases):
         _tune(opts)
         sync, scaler = gradient_sync(model, opts, _args(stage)), _scaler(precision)
         norms = _train(model, opts, sync, scaler, precision, k, 0, STEPS)
-        views = [v for g in sync.zero.param_groups for v in g["params"]]
-        state = {**sync.state_bytes(), "held": sum(v.numel() for v in views), "views": len(views)}
-        out[stage, k, precision] = ({n: p.detach().clone() for n, p in model.named_parameters()},
+        state = None
+        if stage:
+            views = [v for g in sync.zero.param_groups for v in g["params"]]
+            state = {**sync.state_bytes(), "held": sum(v.numel() for v in views), "views": len(views),
+                     "owned": sorted(n for n, p in model.named_parameters() if id(p) in
+                                     {id(q) for q in opts[-1].state})}
+        out[stage, k, precision] = (_params(model, opts),
                                     norms, scaler.skipped_steps, state)
     return out
 
@@ -106,7 +120,7 @@ def _oracle(precision):
     return {n: p.detach().clone() for n, p in model.named_parameters()}, norms, scaler.skipped_steps
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_muon_under_zero_equals_one_process(world, pool):
     """fp32: 2e-6 absolute on parameters of size about 0.02-1 after 3 steps (measured: at
     most 4e-7). The only difference from the oracle is the order in which the averaged
@@ -164,11 +178,11 @@ def _resume(tmp, stage):
             sync, scaler = gradient_sync(model, opts, _args(stage)), _scaler("fp32")
             assert checkpoint.load(f"{tmp}/step_{cut:08d}", model, opts, scaler)["step"] == cut
             _train(model, opts, sync, scaler, "fp32", 2, cut, 4)
-        runs.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        runs.append(_params(model, opts))
     return runs
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_resume_equals_the_uninterrupted_run(stage, pool, tmp_path):
     """Same world size, same stage: every piece comes back, so to the bit."""
     for full, resumed in pool(2).run(_resume, str(tmp_path / f"s{stage}"), stage):
@@ -191,16 +205,16 @@ def _reshard(load_from, first, last, stage, save_to=None, then_to=None):
         checkpoint.save(save_to, last, model, opts, scaler)
     if then_to:
         _train(model, opts, sync, scaler, "fp32", 2, last, then_to)
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return _params(model, opts)
 
 
 def test_reshard_between_world_sizes_and_stages(pool, tmp_path):
-    """2 ranks at ZeRO-2 save after step 2 (and run on to step 4); 3 ranks at ZeRO-1 resume
+    """4 ranks at ZeRO-2 save after step 2 (and run on to step 4); 2 ranks at ZeRO-3 resume
     and save after step 3; one process without ZeRO finishes step 4: equal to the
     uninterrupted run up to summation order (the resharding tests' 1e-5, 1e-6)."""
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    full = pool(2).run(_reshard, None, 0, 2, 2, a, 4)[0]
-    pool(3).run(_reshard, f"{a}/step_00000002", 2, 3, 1, b)
+    full = pool(4).run(_reshard, None, 0, 2, 2, a, 4)[0]
+    pool(2).run(_reshard, f"{a}/step_00000002", 2, 3, 3, b)
     resumed = pool(1).run(_reshard, f"{b}/step_00000003", 3, 4, 0)[0]
     for n, p in full.items():
         torch.testing.assert_close(resumed[n], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
@@ -279,15 +293,16 @@ def test_bytes_and_state_per_rank_match_the_formulas(pool):
             assert near(m["adamw"], 8 * m["psi_adamw"] / N) and near(a["adamw"], 8 * a["psi_adamw"] / N)
 
 
-def test_train_gpt_muon_zero2_two_ranks_follows_one(tmp_path, pool):
+def test_train_gpt_muon_zero2_and_zero3_two_ranks_follow_one(tmp_path, pool):
     argv = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seq-len", "32",
             "--tokenizer", "gpt2-512", "--lr", "3e-3", "--warmup-steps", "2", "--eval-windows",
             "8", "--final-eval-windows", "32", "--sample-tokens", "4", "--log-interval", "1",
             "--device", "cpu", "--steps", "6", "--batch-size", "8", "--eval-interval", "100",
             "--optimizer", "muon", "--grad-clip", "1.0", "--out-dir", str(tmp_path)]
     one = train_gpt.main(argv)
-    two = pool(2).run(train_gpt.main, argv + ["--zero-stage", "2"])
     losses = lambda s: [r["loss"] for r in s["rows"] if "loss" in r]
-    for s in two:  # bf16 Newton-Schulz rounds the few-ulp differences of the sums: 1e-4
-        assert losses(s) == pytest.approx(losses(one), rel=1e-4)
+    for stage in ("2", "3"):
+        two = pool(2).run(train_gpt.main, argv + ["--zero-stage", stage, "--out-dir", str(tmp_path / stage)])
+        for s in two:  # bf16 Newton-Schulz rounds the few-ulp differences of the sums: 1e-4
+            assert losses(s) == pytest.approx(losses(one), rel=1e-4), stage
     assert losses(one)[-1] < losses(one)[0]

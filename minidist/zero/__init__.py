@@ -13,7 +13,8 @@ Read in this order:
     stage3.py   FullyShardedOptimizer: ZeRO-3 (also parameters, gathered per block);
                 its units are the transformer blocks and the root
     muon.py     MuonUnderZero: Muon's whole matrices beside the shards of stages 1-2
-                (chapter 07), gradients reduce-scattered to each matrix's owner
+                (chapter 07), gradients reduce-scattered to each matrix's owner;
+                MuonUnderZero3: the same at stage 3, updates sent to the shards' holders
 and zero_optimizer below, the one entry point for all three stages. Each stage's
 constructor builds its own units, then hands them to ZeroBase. `bucket_cap_mb` means what
 it means for DDP at every stage (minidist.ddp.make_buckets: about that many MiB per unit,
@@ -25,11 +26,12 @@ from __future__ import annotations
 import torch.nn as nn
 
 from minidist.zero.layout import _Unit
-from minidist.zero.muon import MuonUnderZero
+from minidist.zero.muon import MuonUnderZero, MuonUnderZero3
 from minidist.zero.stage12 import ShardedOptimizer
 from minidist.zero.stage3 import FullyShardedOptimizer
 
-__all__ = ["ShardedOptimizer", "FullyShardedOptimizer", "zero_optimizer", "MuonUnderZero", "_Unit"]
+__all__ = ["ShardedOptimizer", "FullyShardedOptimizer", "zero_optimizer", "MuonUnderZero", "MuonUnderZero3",
+           "_Unit"]
 
 
 def zero_optimizer(model: nn.Module, param_groups, optimizer_class, stage: int, **kwargs):
@@ -37,6 +39,8 @@ def zero_optimizer(model: nn.Module, param_groups, optimizer_class, stage: int, 
     gradients itself (stages 1, 2) or a FullyShardedOptimizer over `model` (stage 3)."""
     if stage in (1, 2):
         kwargs.pop("prefetch", None)
+        if kwargs.pop("others", None):
+            raise ValueError("others= is for stage 3: at stages 1-2 leave Muon's matrices out of ZeRO")
         return ShardedOptimizer(param_groups, optimizer_class, stage=stage, reduce_gradients=True,
                                 module=model, **kwargs)
     if stage == 3:

@@ -36,9 +36,37 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from minidist.muon import Muon, _plan
+from minidist.muon import Muon, _Bucket, _plan, adjust_lr
 
-__all__ = ["MuonUnderZero", "reduce_to_owners"]
+__all__ = ["MuonUnderZero", "MuonUnderZero3", "reduce_to_owners"]
+
+
+def _send_to_owners(muon: Muon, items: list, bucket: _Bucket):
+    """Start one bucket's owner-aligned reduce-scatter (row r of what is sent: the
+    gradients of the matrices rank r owns, each in its round's slot); this rank's copies
+    of the gradients are dropped (they are in the buffer now). Returns (recv, work)."""
+    _, world = muon._world()
+    dtype, device = items[0][0].dtype, items[0][0].device
+    grads = {i: items[i][0].grad for round_ in bucket.rounds for i in round_
+             if items[i][0].grad is not None}
+    send = torch.stack([bucket.pack(r, grads, dtype, device) for r in range(world)])
+    for round_ in bucket.rounds:
+        for i in round_:
+            items[i][0].grad = None
+    recv = torch.empty(bucket.numel, dtype=dtype, device=device)
+    work = dist.reduce_scatter_single(recv, send.view(-1), op=dist.ReduceOp.AVG,
+                                      group=muon.group, async_op=True)
+    return recv, work
+
+
+def _owned(bucket: _Bucket, recv: torch.Tensor, rank: int, items: list):
+    """(parameter, averaged gradient) for each matrix of the bucket this rank owns that
+    some rank had a gradient for (its slot's flag, averaged, is above zero)."""
+    flags = recv[[offset for offset, _ in bucket.slots]].tolist()  # one read per bucket
+    for round_, (offset, _), flag in zip(bucket.rounds, bucket.slots, flags):
+        if rank < len(round_) and flag > 0:
+            p = items[round_[rank]][0]
+            yield p, recv[offset + 1:offset + 1 + p.numel()].view_as(p)
 
 
 @torch.no_grad()
@@ -50,29 +78,14 @@ def reduce_to_owners(muon: Muon) -> None:
     items = [(p, g) for g in muon.param_groups for p in g["params"]]
     if not items:
         return
-    dtype, device = items[0][0].dtype, items[0][0].device
-    pending = []
     # the same rounds as Muon's step (ownership is a round's position); buckets of about
     # bucket_mb per rank's part, so that a few collectives carry everything
-    for bucket in _plan(items, muon._deal(items), world, muon.bucket_mb * 2**20, dtype):
-        grads = {i: items[i][0].grad for round_ in bucket.rounds for i in round_
-                 if items[i][0].grad is not None}
-        # row r: the gradients of the matrices rank r owns, each in its round's slot
-        send = torch.stack([bucket.pack(r, grads, dtype, device) for r in range(world)])
-        for round_ in bucket.rounds:
-            for i in round_:
-                items[i][0].grad = None  # this rank's copies are in `send` now
-        recv = torch.empty(bucket.numel, dtype=dtype, device=device)
-        work = dist.reduce_scatter_single(recv, send.view(-1), op=dist.ReduceOp.AVG,
-                                          group=muon.group, async_op=True)
-        pending.append((bucket, recv, work))
+    buckets = _plan(items, muon._deal(items), world, muon.bucket_mb * 2**20, items[0][0].dtype)
+    pending = [(bucket, *_send_to_owners(muon, items, bucket)) for bucket in buckets]
     for bucket, recv, work in pending:
         work.wait()
-        flags = recv[[offset for offset, _ in bucket.slots]].tolist()  # one read per bucket
-        for round_, (offset, _), flag in zip(bucket.rounds, bucket.slots, flags):
-            if rank < len(round_) and flag > 0:  # some rank had a gradient for it
-                p = items[round_[rank]][0]
-                p.grad = recv[offset + 1:offset + 1 + p.numel()].view_as(p)
+        for p, grad in _owned(bucket, recv, rank, items):
+            p.grad = grad
 
 
 class MuonUnderZero:
@@ -84,7 +97,7 @@ class MuonUnderZero:
     def __init__(self, zero, muon: Muon):
         if getattr(zero, "stage", None) not in (1, 2):
             raise ValueError("MuonUnderZero is for ZeRO stages 1 and 2 (their parameters are "
-                             "whole on every rank); Muon under ZeRO-3 is not built yet")
+                             "whole on every rank); at stage 3 use MuonUnderZero3")
         self.zero, self.muon = zero, muon
         self._fresh = False  # a Muon gradient arrived since the last reduction
         for g in muon.param_groups:
@@ -134,3 +147,120 @@ class MuonUnderZero:
         nbytes = lambda st: sum(v.numel() * v.element_size() for s in st.values()
                                 for v in s.values() if torch.is_tensor(v))
         return {"muon": nbytes(self.muon.state), "adamw": nbytes(self.zero.optim.state)}
+
+
+class MuonUnderZero3(MuonUnderZero):
+    """Muon beside ZeRO-3 (see the module docstring): `zero` a FullyShardedOptimizer built
+    with others=Muon's matrices, which it shards and gathers as every parameter but whose
+    gradients it leaves to this object. Matrices are dealt to owners as at stages 1-2; each
+    bucket of rounds is reduce-scattered to its owners during backward, as soon as its
+    last gradient is in (a matrix's full-size gradient lives until then), and the owners
+    keep the sums across micro-steps. The owners' updates then travel by one
+    all-to-all, each piece to the rank whose shard holds it, and are applied there."""
+
+    def __init__(self, zero, muon: Muon):
+        if getattr(zero, "stage", None) != 3:
+            raise ValueError("MuonUnderZero3 is for ZeRO stage 3; at stages 1-2 use MuonUnderZero")
+        self.items = [(p, g) for g in muon.param_groups for p in g["params"]]
+        missing = [tuple(p.shape) for p, _ in self.items if p not in zero.other_unit_of]
+        if missing:
+            raise ValueError(f"{len(missing)} of Muon's matrices (shapes {missing[:3]}...) are not "
+                             "sharded by the ZeRO-3 optimizer: build it with others=<Muon's parameters>")
+        self.zero, self.muon = zero, muon
+        self.rank, world = muon._world()
+        self.buckets = _plan(self.items, muon._deal(self.items), world, muon.bucket_mb * 2**20,
+                             self.items[0][0].dtype)
+        self.bucket_of = {self.items[i][0]: b for b in self.buckets for r in b.rounds for i in r}
+        self.ready = {b: 0 for b in self.buckets}  # gradients in, this backward
+        self.pending, self.sums, self._queued = [], {}, False
+        self.routes = self._routes(world)
+        for p, _ in self.items:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+        muon.before_step = self.finish_gradient_synchronization
+        muon.to_shards = self._to_shards
+
+    # ---- gradients: to the owners, a bucket at a time, during backward ------------------
+
+    def _on_grad(self, p) -> None:
+        if not self._queued:  # once per backward: reduce what is left when it ends
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._queued = True
+        b = self.bucket_of[p]
+        self.ready[b] += 1
+        if self.ready[b] == sum(len(r) for r in b.rounds):
+            self.ready[b] = -1  # started
+            self.pending.append((b, *_send_to_owners(self.muon, self.items, b)))
+
+    def _end_of_backward(self) -> None:
+        for b in self.buckets:  # in the same order on every rank
+            if self.ready[b] != -1:  # some matrix had no gradient: still join
+                self.pending.append((b, *_send_to_owners(self.muon, self.items, b)))
+            self.ready[b] = 0
+        self._queued = False
+        for b, recv, work in self.pending:  # the owners' sums, over the micro-steps
+            work.wait()
+            for p, grad in _owned(b, recv, self.rank, self.items):
+                self.sums[p] = grad.clone() if p not in self.sums else self.sums[p].add_(grad)
+        self.pending.clear()
+
+    def no_sync(self):
+        """ZeRO-3's (a no-op): every micro-step reduces; the owners' sums add up."""
+        return self.zero.no_sync()
+
+    def finish_gradient_synchronization(self) -> None:
+        """ZeRO's shards complete; the owners' summed gradients become their .grad."""
+        self.zero.finish_gradient_synchronization()
+        for p, grad in self.sums.items():
+            p.grad = grad
+        self.sums = {}
+
+    # ---- updates: from the owners to the shards' holders, by one all-to-all --------------
+
+    def _routes(self, world: int) -> list[list[list]]:
+        """routes[o][r]: (item, start, a, b) for each piece of a matrix owned by o that lies
+        in rank r's shard: the matrix's flattened elements [start, start + b - a) are its
+        unit's flat elements [a, b). The same on every rank (shapes only)."""
+        owners = self.muon.owners()
+        routes = [[[] for _ in range(world)] for _ in range(world)]
+        for i, (p, _) in enumerate(self.items):
+            u = self.zero.other_unit_of[p]
+            for r in range(world):
+                for q, start, a, b in u.pieces(r * u.chunk, (r + 1) * u.chunk):
+                    if q is p:
+                        routes[owners[id(p)]][r].append((i, start, a, b))
+        return routes
+
+    @torch.no_grad()
+    def _to_shards(self, updates: dict) -> None:
+        """updates: id(p) -> this rank's owned matrices' updates. Each piece travels, with a
+        flag (1: an update, 0: none), to the rank holding it; each rank applies what it gets."""
+        rank, world = self.rank, len(self.routes)
+        dtype, device = self.muon.ns_dtype, self.items[0][0].device
+        parts = []
+        for r in range(world):
+            for i, start, a, b in self.routes[rank][r]:
+                u = updates.get(id(self.items[i][0]))
+                flag = torch.ones(1, dtype=dtype, device=device) if u is not None else \
+                    torch.zeros(1, dtype=dtype, device=device)
+                piece = u.flatten()[start:start + b - a].to(dtype) if u is not None else \
+                    torch.zeros(b - a, dtype=dtype, device=device)
+                parts += [flag, piece]
+        send = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=device)
+        size = lambda route: sum(1 + b - a for _, _, a, b in route)
+        recv = torch.empty(sum(size(self.routes[o][rank]) for o in range(world)), dtype=dtype, device=device)
+        dist.all_to_all_single(recv, send, [size(self.routes[o][rank]) for o in range(world)],
+                               [size(self.routes[rank][r]) for r in range(world)], group=self.muon.group)
+        offset, pieces = 0, []
+        for o in range(world):
+            for i, start, a, b in self.routes[o][rank]:
+                pieces.append((i, a, b, offset))
+                offset += 1 + b - a
+        flags = recv[[off for *_, off in pieces]].tolist() if pieces else []
+        for (i, a, b, off), flag in zip(pieces, flags):
+            if flag == 1:
+                p, g = self.items[i]
+                u = self.zero.other_unit_of[p]
+                shard = u.shard[a - u.lo:b - u.lo]
+                shard.mul_(1 - g["lr"] * g["weight_decay"])  # as Muon._apply, on a piece
+                shard.add_(recv[off + 1:off + 1 + b - a], alpha=-adjust_lr(g["lr"], p.shape, g["adjust_lr_fn"]))
+        self.zero._free(self.zero.other_units)  # a unit still gathered is stale now

@@ -51,29 +51,46 @@ class FullyShardedOptimizer(ZeroBase):
     several of about `bucket_cap_mb` MiB when larger (0: one unit per parameter; None:
     never cut). The module is used as it is: hooks on it gather and free parameters around
     every forward. `prefetch=False` gathers each block only when it is needed (to measure
-    what prefetch gains). The optimizer API is ShardedOptimizer's: step(), zero_grad(),
+    what prefetch gains). `others`: parameters another optimizer updates from the shards
+    (Muon's matrices: minidist/zero/muon.py), sharded and gathered here in units of their
+    own, their gradients left alone. The optimizer API is ShardedOptimizer's: step(), zero_grad(),
     param_groups, no_sync() (a no-op: every micro-step reduce-scatters),
     finish_gradient_synchronization(), clip_grad_norm_(), memory_bytes()."""
 
     def __init__(self, module: nn.Module, params, optimizer_class, group=None, prefetch: bool = True,
-                 bucket_cap_mb: float | None = 25.0, collectives: str = "torch", **defaults):
+                 bucket_cap_mb: float | None = 25.0, collectives: str = "torch", others=(), **defaults):
         self.module, self.prefetch = module, prefetch
         self.reduce_gradients = True  # always: it averages the gradients itself, as stage 2
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         groups, group_of, ordered = trainable_in_order(params)
-        make_units = lambda ps: [_Unit(b, group_of, self.rank, self.world)
-                                 for b in (make_buckets(ps, bucket_cap_mb) if ps else [])]
+        # `others`: parameters another optimizer updates (Muon's matrices, zero/muon.py):
+        # sharded and gathered like the rest, in units of their own, but their gradients
+        # are left to that optimizer and their shards are not in the inner optimizer
+        others = [p for p in dict.fromkeys(others) if p not in group_of]
+        make_units = lambda ps, of: [_Unit(b, of, self.rank, self.world)
+                                     for b in (make_buckets(ps, bucket_cap_mb) if ps else [])]
         mods = list(getattr(module, "blocks", []))
-        wanted = set(ordered)
+        wanted, theirs = set(ordered), {p: 0 for p in others}
         per_block = [[p for p in m.parameters() if p in wanted] for m in mods]
-        in_blocks = {p for ps in per_block for p in ps}
-        self.root = make_units([p for p in ordered if p not in in_blocks])
-        self.blocks = [make_units(ps) for ps in per_block]  # a list of units per block
-        units = self.root + [u for block in self.blocks for u in block]
-        for u in units:  # the shard lives on, as its own tensor; the full buffer does not
+        their_block = [[p for p in m.parameters() if p in theirs] for m in mods]
+        in_blocks = {p for ps in per_block + their_block for p in ps}
+        own_root = make_units([p for p in ordered if p not in in_blocks], group_of)
+        self.other_units = make_units([p for p in others if p not in in_blocks], theirs)
+        self.root = own_root + list(self.other_units)
+        self.blocks = []  # a list of units per block: ours, then the other optimizer's
+        for ps, qs in zip(per_block, their_block):
+            mine, other = make_units(ps, group_of), make_units(qs, theirs)
+            self.other_units += other
+            self.blocks.append(mine + other)
+        self.all_units = self.root + [u for block in self.blocks for u in block]
+        for u in self.all_units:  # the shard lives on, as its own tensor; the full buffer does not
             u.shard = u.flat[u.lo:u.hi].clone()
             u.flat.untyped_storage().resize_(0)
+        units = [u for u in self.all_units if u not in self.other_units]
         super().__init__(units, groups, optimizer_class, defaults, 3, group, collectives)
+        self.other_unit_of = {p: u for u in self.other_units for p in u.params}
+        for p in self.other_unit_of:
+            p.register_post_accumulate_grad_hook(self._on_other_grad)
         self._gathered, self._inflight = set(), {}  # units gathered; their all-gathers in flight
         self._gathered_bytes, self.peak_gathered_bytes = 0, 0
         for p in ordered:
@@ -122,7 +139,7 @@ class FullyShardedOptimizer(ZeroBase):
 
     def _after_model(self, module, args, out) -> None:
         if not torch.is_grad_enabled():  # no backward will come: free everything now
-            self._free(self.units)
+            self._free(self.all_units)
 
     def _before_block(self, i: int) -> None:
         self._gather(self.blocks[i])
@@ -142,19 +159,29 @@ class FullyShardedOptimizer(ZeroBase):
         if u not in self.root:
             self._free([u])  # all its gradients are in: backward needs its weights no more
 
+    def _on_other_grad(self, p) -> None:
+        """The other optimizer's parameters: once a unit's gradients are all in, backward
+        needs its weights no more (the gradients are that optimizer's to reduce)."""
+        u = self.other_unit_of[p]
+        u.ready += 1
+        if u.ready == len(u.params) and u not in self.root:
+            self._free([u])
+
     def _end_of_backward(self) -> None:
         super()._end_of_backward()
-        self._free(self.units)
+        self._free(self.all_units)
+        for u in self.other_units:
+            u.ready = 0
 
     @contextlib.contextmanager
     def gathered(self):
         """Every unit gathered, to read, save or copy the full parameters; freed after."""
         was = set(self._gathered)
-        self._gather(self.units)
+        self._gather(self.all_units)
         try:
             yield
         finally:
-            self._free([u for u in self.units if u not in was])
+            self._free([u for u in self.all_units if u not in was])
 
     # ---- the step, accounting, checkpoint pieces --------------------------------------
 
@@ -162,7 +189,7 @@ class FullyShardedOptimizer(ZeroBase):
         """Update the shards; the next forward gathers the updated values."""
         loss = closure() if closure is not None else None
         self.optim.step()
-        self._free(self.units)  # a unit still gathered (a forward with no backward) is stale now
+        self._free(self.all_units)  # a unit still gathered (a forward with no backward) is stale now
         return loss
 
     def memory_bytes(self) -> dict:
@@ -170,7 +197,7 @@ class FullyShardedOptimizer(ZeroBase):
         nbytes = lambda t: t.numel() * t.element_size()
         grads = sum(nbytes(u.grad_shard) + sum(nbytes(p.grad) for p in u.params if p.grad is not None)
                     for u in self.units)
-        return {"params": sum(nbytes(u.shard) for u in self.units) + self._gathered_bytes,
+        return {"params": sum(nbytes(u.shard) for u in self.all_units) + self._gathered_bytes,
                 "grads": grads, "optimizer_state": self._state_bytes(),
                 "padding_elements": sum(u.flat.numel() - sum(p.numel() for p in u.params)
                                         for u in self.units),
@@ -182,5 +209,8 @@ class FullyShardedOptimizer(ZeroBase):
         A sharded parameter none of whose elements is here comes with an empty tensor."""
         state, _ = super().state_pieces()
         params = [(p, start, holder[lo:hi]) for p, start, holder, lo, hi in state]
+        params += [(p, start, u.shard[a - u.lo:b - u.lo])  # the other optimizer's: from the shards
+                   for u in self.other_units for p, start, a, b in u.pieces(u.lo, u.hi)]
         here = {p for p, _, _ in params}
-        return state, params + [(p, 0, p.new_empty(0)) for p in self._unit_of if p not in here]
+        every = [*self._unit_of, *self.other_unit_of]
+        return state, params + [(p, 0, p.new_empty(0)) for p in every if p not in here]
