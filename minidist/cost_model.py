@@ -132,6 +132,26 @@ def comm_volume(strategy: str, psi: float, n: int, elem_bytes: int = 2, accum: i
     return factor * psi * (n - 1) / n * elem_bytes
 
 
+def muon_comm_volume(stage: int, psi_adamw: float, psi_muon: float, n: int, psi_root: float = 0.0,
+                     elem_bytes: int = 4, update_bytes: int = 2) -> float:
+    """Bytes each rank sends per step (one micro-step) with Muon for the hidden matrices
+    (psi_muon elements) and AdamW for the rest (psi_adamw) at ZeRO `stage` (chapter 07):
+    stage 0, DDP's all-reduce of every gradient (2 Psi (N-1)/N); stages 1-2, AdamW's
+    reduce-scatter and all-gather (2 Psi_adamw (N-1)/N) and Muon's gradients reduce-
+    scattered to their owners (Psi_muon (N-1)/N); stage 3, every parameter gathered in
+    forward and again in backward (the root's psi_root elements once: 2 Psi - Psi_root) and
+    every gradient reduce-scattered, AdamW's to shards, Muon's to owners (Psi (N-1)/N). The
+    owners' updates, in update_bytes per element, go to every rank at stages 0-2 (an
+    all-gather, Psi_muon (N-1)/N) and at stage 3 only to the ranks holding each piece (an
+    all-to-all: each owner's Psi_muon/N, of which (N-1)/N lies elsewhere). Flags, the
+    padding of shards and of rounds of unequal matrices come on top."""
+    psi, f = psi_adamw + psi_muon, (n - 1) / n
+    grads = {0: 2 * psi, 1: 2 * psi_adamw + psi_muon, 2: 2 * psi_adamw + psi_muon,
+             3: 3 * psi - psi_root}[stage] * f * elem_bytes
+    updates = psi_muon * f * (1 / n if stage == 3 else 1) * update_bytes
+    return grads + updates
+
+
 def exposed_time(c: float, k: int, t: float) -> float:
     """Communication left showing when k transfers of c seconds each are paired with k
     equal slices of t seconds of compute, one transfer per slice, on one link.

@@ -14,6 +14,9 @@ Three measurements, each beside torch's equivalent or a published bound:
 3. Muon against AdamW on the embedded corpus: same model, same tokens, a sweep of three
    learning rates each; how many steps Muon needs to reach AdamW's best final
    validation loss.
+4. Muon under ZeRO stages 0-3 against AdamW at the same stage: optimizer state per rank
+   and bytes sent per step against their formulas, step time and the optimizer's share
+   (minidist/bench/muon_zero.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from minidist.bench import muon_zero
 from minidist.cost_model import ns_flops
 from minidist.flags import AUTO
 from minidist.launch import launch
@@ -187,9 +191,14 @@ def run(args) -> dict:
           + (f"{curves['muon_steps_to_target']:.0f} of {curves['adamw_steps']}: {r:.2f}x the steps"
              if r is not None else "never within the run"))
     _plot(ns, curves, out / "muon.png")
+
+    print("4. Muon under ZeRO against AdamW at the same stage (default CPU model, gloo)")
+    cfg, batch, _ = _model_cfg(args.quick, torch.device("cpu"))
+    rounds, steps = (2, 1) if args.quick else (8, 2)
+    stages = {n: muon_zero.run(cfg, n, max(1, batch // n), rounds, steps) for n in worlds if n > 1}
     return {"newton_schulz": ns, "step_vs_train": share, "distributed_step_s": dist_t,
             "distributed_ratio": {w: t / dist_t[1] for w, t in dist_t.items()}, "curves": curves,
-            "device": device.type}
+            "under_zero": stages, "device": device.type}
 
 
 def _plot(ns, curves, path) -> None:

@@ -1,0 +1,150 @@
+"""`python -m minidist.bench muon`, its last table: Muon beside AdamW under ZeRO stages 0-3,
+against AdamW alone at the same stage. Chapter 07 (chapters/07_muon.md), section "Muon
+under ZeRO". Exercised by `python -m minidist.bench muon --quick` (tests/test_bench.py).
+
+For train_gpt's default CPU model (tiny preset, vocabulary 2048), built as train_gpt
+builds it (minidist.train.make_optimizers and gradient_sync), on N ranks:
+- optimizer state per rank, measured (the tensors in the optimizers' state) against its
+  formula: AdamW's two fp32 moments of the elements this rank updates (all of them at
+  stage 0, 1/N of them under ZeRO) and Muon's one momentum of the matrices it owns;
+- bytes this rank sends per step, counted from every collective as a ring sends it
+  ((N-1)/N of a reduce-scatter's input or an all-gather's output, twice that for an
+  all-reduce, what an all-to-all sends to the other ranks), against
+  minidist.cost_model.muon_comm_volume (psi_muon = 0 for AdamW alone);
+- the step time against AdamW's at the same stage, and the optimizer step's share of it
+  (variants interleaved in rounds, medians: load drift on a shared machine hits all alike).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from minidist.cost_model import muon_comm_volume
+from minidist.launch import launch
+from minidist.model import GPT, PRESETS, GPTConfig
+from minidist.muon import split_params
+from minidist.train import forward_backward, gradient_sync, make_optimizers
+
+VARIANTS = [(opt, stage) for stage in (0, 1, 2, 3) for opt in ("adamw", "muon")]
+
+
+def _build(cfg: dict, optimizer: str, stage: int):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**cfg))
+    args = argparse.Namespace(optimizer=optimizer, zero_stage=stage, dp="bucketed", bucket_cap_mb=25.0,
+                              lr=1e-3, weight_decay=0.1, muon_lr=0.02, muon_momentum=0.95,
+                              muon_weight_decay=0.0)
+    opts = make_optimizers(model, args)
+    return model, opts, gradient_sync(model, opts, args)
+
+
+class _Wire:
+    """Counts the bytes this rank sends, per collective, while installed (torch's
+    functions are put back on exit: the processes may live on)."""
+
+    NAMES = ("all_reduce", "reduce_scatter_single", "all_gather_single", "all_to_all_single")
+
+    def __enter__(self):
+        n, rank, self.sent = dist.get_world_size(), dist.get_rank(), 0
+        nbytes = lambda t: t.numel() * t.element_size()
+        sent = {"all_reduce": lambda a, k: 2 * (n - 1) / n * nbytes(a[0]),
+                "reduce_scatter_single": lambda a, k: (n - 1) / n * nbytes(a[1]),
+                "all_gather_single": lambda a, k: (n - 1) / n * nbytes(a[0]),
+                "all_to_all_single": lambda a, k: nbytes(a[1]) - (a[3][rank] if len(a) > 3 else
+                                                                  a[1].numel() // n) * a[1].element_size()}
+        self.real = {name: getattr(dist, name) for name in self.NAMES}
+        for name, real in self.real.items():
+            def counted(*a, _real=real, _name=name, **k):
+                self.sent += sent[_name](a, k)
+                return _real(*a, **k)
+            setattr(dist, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        for name, real in self.real.items():
+            setattr(dist, name, real)
+
+
+def _step(model, opts, sync, micro, n) -> float:
+    """One training step; returns the seconds its optimizer steps took."""
+    forward_backward(model, micro, n, sync)
+    t0 = time.perf_counter()
+    for o in opts:
+        o.step()
+    t = time.perf_counter() - t0
+    for o in opts:
+        o.zero_grad(set_to_none=True)
+    return t
+
+
+def _measure(cfg: dict, per_rank_batch: int, rounds: int, steps: int):
+    n, rank = dist.get_world_size(), dist.get_rank()
+    x = torch.randint(0, cfg["vocab_size"], (per_rank_batch, cfg["block_size"]),
+                      generator=torch.Generator().manual_seed(rank))
+    micro = [(x, torch.roll(x, -1, 1))]
+    runners = {v: _build(cfg, *v) for v in VARIANTS}
+    out = {"sent": {}, "state": {}, "step_s": {}, "opt_share": {}}
+    for v, (model, opts, sync) in runners.items():
+        _step(model, opts, sync, micro, n)  # the first step creates the optimizer state
+        with _Wire() as wire:
+            _step(model, opts, sync, micro, n)
+        out["sent"][v] = wire.sent
+        out["state"][v] = {type(o).__name__: sum(t.numel() * t.element_size() for s in o.state.values()
+                                                 for t in s.values() if torch.is_tensor(t) and t.dim())
+                           for o in opts}
+    times = {v: [] for v in VARIANTS}
+    shares = {v: [] for v in VARIANTS}
+    for _ in range(rounds):
+        for v, (model, opts, sync) in runners.items():
+            dist.barrier()
+            t0, opt_t = time.perf_counter(), 0.0
+            for _ in range(steps):
+                opt_t += _step(model, opts, sync, micro, n)
+            total = time.perf_counter() - t0
+            times[v].append(total / steps)
+            shares[v].append(opt_t / total)
+    out["step_s"] = {v: statistics.median(t) for v, t in times.items()}
+    out["opt_share"] = {v: statistics.median(s) for v, s in shares.items()}
+    return out if rank == 0 else None
+
+
+def formulas(cfg: dict, n: int) -> dict:
+    """Per (optimizer, stage): the state bytes and bytes sent each rank should have."""
+    model = GPT(GPTConfig(**cfg))
+    hidden, rest = split_params(model)
+    psi_m, psi = sum(p.numel() for p in hidden), sum(p.numel() for p in model.parameters())
+    in_blocks = {id(p) for b in model.blocks for p in b.parameters()}
+    psi_root = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
+    out = {}
+    for opt, stage in VARIANTS:
+        pm = psi_m if opt == "muon" else 0
+        adamw_state = 8 * (psi - pm) / (n if stage else 1)
+        out[opt, stage] = dict(state=adamw_state + 4 * pm / n,
+                               sent=muon_comm_volume(stage, psi - pm, pm, n, psi_root))
+    return out
+
+
+def run(cfg: dict, n: int, per_rank_batch: int, rounds: int, steps: int) -> dict:
+    """The table at n ranks, printed; returned with its formulas, keys "opt/stage"."""
+    r = launch(_measure, n, cfg, per_rank_batch, rounds, steps, timeout_s=900)[0]
+    want = formulas(cfg, n)
+    print(f"  N = {n}: {'':12} {'state MB':>9} {'/formula':>8} {'sent MB':>8} {'/formula':>8} "
+          f"{'sent/AdamW':>10} {'step/AdamW':>10} {'opt share':>9}")
+    table = {}
+    for opt, stage in VARIANTS:
+        v = (opt, stage)
+        state = sum(r["state"][v].values())
+        row = dict(state=state, state_formula=want[v]["state"], sent=r["sent"][v],
+                   sent_formula=want[v]["sent"], sent_vs_adamw=r["sent"][v] / r["sent"]["adamw", stage],
+                   step_vs_adamw=r["step_s"][v] / r["step_s"]["adamw", stage], step_s=r["step_s"][v],
+                   opt_share=r["opt_share"][v])
+        table[f"{opt}/{stage}"] = row
+        print(f"  {'':7}{opt:6} stage {stage} {state / 1e6:9.3f} {state / row['state_formula']:8.3f} "
+              f"{row['sent'] / 1e6:8.3f} {row['sent'] / row['sent_formula']:8.3f} "
+              f"{row['sent_vs_adamw']:10.3f} {row['step_vs_adamw']:10.3f} {row['opt_share']:9.3f}")
+    return table
