@@ -143,8 +143,9 @@ def muon_comm_volume(stage: int, psi_adamw: float, psi_muon: float, n: int, psi_
     every gradient reduce-scattered, AdamW's to shards, Muon's to owners (Psi (N-1)/N). The
     owners' updates, in update_bytes per element, go to every rank at stages 0-2 (an
     all-gather, Psi_muon (N-1)/N) and at stage 3 only to the ranks holding each piece (an
-    all-to-all: each owner's Psi_muon/N, of which (N-1)/N lies elsewhere). Flags, the
-    padding of shards and of rounds of unequal matrices come on top."""
+    all-to-all: each owner's Psi_muon/N, of which (N-1)/N lies elsewhere on average; the
+    exact share depends on where the flat layout cuts each matrix, and is at most all of
+    it). Flags, the padding of shards and of rounds of unequal matrices come on top."""
     psi, f = psi_adamw + psi_muon, (n - 1) / n
     grads = {0: 2 * psi, 1: 2 * psi_adamw + psi_muon, 2: 2 * psi_adamw + psi_muon,
              3: 3 * psi - psi_root}[stage] * f * elem_bytes

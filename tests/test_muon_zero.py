@@ -9,6 +9,7 @@ ranks ZeRO-2 -> 2 ranks ZeRO-3 -> one process; bytes sent and state per rank mat
 
 import argparse
 import contextlib
+import math
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from helpers import micro_batches, tiny_gpt, token_batch
 from minidist import checkpoint, train_gpt
+from minidist.model import GPT, GPTConfig
 from minidist.muon import Muon, check_routing, split_params
 from minidist.scaler import LossScaler, autocast
 from minidist.train import forward_backward, gradient_sync, make_optimizers
@@ -220,66 +222,77 @@ def test_reshard_between_world_sizes_and_stages(pool, tmp_path):
         torch.testing.assert_close(resumed[n], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
 
+CFG = dict(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=512)  # 8 matrices, 4 shapes
+
+
 def _bytes_and_state():
-    """One step of train_gpt's default CPU model (tiny preset, vocabulary 2048) under ZeRO-1
-    and 2, AdamW alone and Muon + AdamW: bytes this rank sends, by collective (ZeRO's ring
+    """One step of a small GPT (CFG; the bench runs train_gpt's default) under ZeRO-1, 2
+    and 3, AdamW alone and Muon + AdamW: bytes this rank sends, by collective (ZeRO's ring
     collectives counted by minidist.comm; Muon's two, torch's, counted from their buffers
     as a ring sends them, (N - 1)/N of the whole), and its optimizer state."""
     N, sent = dist.get_world_size(), {}
-    rs, ag = dist.reduce_scatter_single, dist.all_gather_single
+    rs, ag, a2a = dist.reduce_scatter_single, dist.all_gather_single, dist.all_to_all_single
 
     def counted(name, real, which):
         def collective(out, inp, *a, **k):
-            t = inp if which == "in" else out
-            sent[name] = sent.get(name, 0) + t.numel() * t.element_size() * (N - 1) // N
+            if which == "a2a":  # what goes to the other ranks: all but this rank's split
+                n = inp.numel() - a[1][dist.get_rank()]
+            else:
+                n = (inp if which == "in" else out).numel() * (N - 1) // N
+            sent[name] = sent.get(name, 0) + n * inp.element_size()
             return real(out, inp, *a, **k)
         return collective
     dist.reduce_scatter_single = counted("muon_reduce_scatter", rs, "in")
     dist.all_gather_single = counted("muon_all_gather", ag, "out")
+    dist.all_to_all_single = counted("muon_all_to_all", a2a, "a2a")
     try:  # (the pool's processes live on: put torch's functions back whatever happens)
         return _measure(N, sent)
     finally:
-        dist.reduce_scatter_single, dist.all_gather_single = rs, ag
+        dist.reduce_scatter_single, dist.all_gather_single, dist.all_to_all_single = rs, ag, a2a
 
 
 def _measure(N, sent):
     from minidist import comm
-    from minidist.model import GPT, PRESETS, GPTConfig
-    from minidist.zero import MuonUnderZero, zero_optimizer
+    from minidist.zero import MuonUnderZero, MuonUnderZero3, zero_optimizer
     out = {}
     for optimizer in ("adamw", "muon"):
-        for stage in (1, 2):
+        for stage in (1, 2, 3):
             torch.manual_seed(0)
-            model = GPT(GPTConfig(**{**PRESETS["tiny"], "vocab_size": 2048}))
+            model = GPT(GPTConfig(**CFG))
             hidden, rest = split_params(model) if optimizer == "muon" else ([], list(model.parameters()))
+            others = {"others": hidden} if stage == 3 else {}
             zero = zero_optimizer(model, [{"params": rest}], torch.optim.AdamW, stage,
-                                  collectives="minidist", lr=1e-3)
+                                  collectives="minidist", lr=1e-3, **others)
             opts, sync = [zero], zero
             if hidden:
                 opts.append(Muon(hidden))
-                sync = MuonUnderZero(zero, opts[1])
-            x = torch.randint(0, 2048, (2, 128))
+                sync = (MuonUnderZero3 if stage == 3 else MuonUnderZero)(zero, opts[1])
+            x = torch.randint(0, CFG["vocab_size"], (2, CFG["block_size"]))
             sent.clear()
             with comm.count_bytes() as c:
                 forward_backward(model, [(x, torch.roll(x, -1, 1))], N, sync)
                 for o in opts:
                     o.step()
             state = sync.state_bytes() if hidden else {"adamw": zero._state_bytes(), "muon": 0}
+            in_blocks = {id(p) for b in model.blocks for p in b.parameters()}
             out[optimizer, stage] = dict(zero=sum(c.values()), **sent, **state,
                                          psi_muon=sum(p.numel() for p in hidden),
-                                         psi_adamw=sum(p.numel() for p in rest))
+                                         psi_adamw=sum(p.numel() for p in rest),
+                                         psi_root=sum(p.numel() for p in model.parameters()
+                                                      if id(p) not in in_blocks))
     return out
 
 
 def test_bytes_and_state_per_rank_match_the_formulas(pool):
-    """Per rank and step, N = 2: AdamW under ZeRO-1/2 sends 2 (N-1)/N 4 Psi; with Muon, ZeRO
+    """Per rank and step, N = 2 (stage 3: see the comments below): AdamW under ZeRO-1/2 sends 2 (N-1)/N 4 Psi; with Muon, ZeRO
     sends 2 (N-1)/N 4 Psi_adamw, Muon's reduce-scatter (N-1)/N 4 Psi_muon and its all-gather
     (N-1)/N 2 Psi_muon (bf16 updates), each plus one flag per round and the padding of
     rounds of unequal matrices (none here: the deal pairs equal shapes), so Muon's run sends
     less than AdamW's. State: Muon's momentum of the owned matrices (4 Psi_muon / N here,
-    16 matrices of 4 shapes dealt evenly), AdamW's 8 bytes per element of its shard."""
+    8 matrices of 4 shapes dealt evenly), AdamW's 8 bytes per element of its shard."""
     N = 2
-    for r in pool(N).run(_bytes_and_state):
+    results = pool(N).run(_bytes_and_state)
+    for r in results:
         for stage in (1, 2):
             a, m = r["adamw", stage], r["muon", stage]
             assert "muon_reduce_scatter" not in a
@@ -291,6 +304,42 @@ def test_bytes_and_state_per_rank_match_the_formulas(pool):
             assert m["zero"] + m["muon_reduce_scatter"] + m["muon_all_gather"] < a["zero"]
             assert m["muon"] == 4 * m["psi_muon"] / N
             assert near(m["adamw"], 8 * m["psi_adamw"] / N) and near(a["adamw"], 8 * a["psi_adamw"] / N)
+        # stage 3: every parameter gathered in forward and (but the root) again in backward,
+        # AdamW's gradients reduce-scattered to shards, Muon's to owners; then the owners'
+        # bf16 updates to the shards' holders by all-to-all (below, summed over ranks)
+        a, m = r["adamw", 3], r["muon", 3]
+        psi = m["psi_adamw"] + m["psi_muon"]
+        assert near(a["zero"], (N - 1) / N * 4 * (3 * psi - a["psi_root"]))
+        assert near(m["zero"], (N - 1) / N * 4 * (2 * psi - m["psi_root"] + m["psi_adamw"]))
+        assert near(m["muon_reduce_scatter"], (N - 1) / N * 4 * m["psi_muon"])
+        assert "muon_all_gather" not in m and m["muon"] == 4 * m["psi_muon"] / N
+        assert m["zero"] + m["muon_reduce_scatter"] + m["muon_all_to_all"] <= 1.25 * a["zero"]
+    # each owner sends the (N-1)/N of its matrices' elements that other ranks hold, plus a
+    # flag per piece: Psi_muon (N-1)/N elements in all, 2 bytes each
+    # flag per piece, in bf16: at most Psi_muon elements in all (each crosses once), exactly
+    # the elements of each matrix outside its owner's range of its block's flat layout
+    total = sum(r["muon", 3]["muon_all_to_all"] for r in results)
+    assert total == _crossing_bytes(N) <= 2 * results[0]["muon", 3]["psi_muon"] + 2 * 8 * N
+
+
+def _crossing_bytes(N: int) -> int:
+    """The all-to-all's bytes from the layout alone: each block's Muon matrices in one flat
+    buffer (registration order) cut in N ranges of ceil(numel / N); a matrix's elements in
+    ranges other than its owner's cross the wire, in bf16, one flag per piece."""
+    model = GPT(GPTConfig(**CFG))
+    hidden, _ = split_params(model)
+    owner = {id(hidden[i]): j % N for j, i in enumerate(Muon._deal([(p, None) for p in hidden]))}
+    total = 0
+    for block in model.blocks:
+        ps = [p for p in block.parameters() if id(p) in owner]
+        chunk, offset = math.ceil(sum(p.numel() for p in ps) / N), 0
+        for p in ps:
+            for r in range(N):
+                a, b = max(offset, r * chunk), min(offset + p.numel(), (r + 1) * chunk)
+                if a < b and r != owner[id(p)]:
+                    total += 2 * (1 + b - a)
+            offset += p.numel()
+    return total
 
 
 def test_train_gpt_muon_zero2_and_zero3_two_ranks_follow_one(tmp_path, pool):
