@@ -1,7 +1,8 @@
-"""Muon under ZeRO stages 1 and 2. Chapter 07 (chapters/07_muon.md), section "Muon under
-ZeRO". Exercised by:
+"""Muon under ZeRO stages 1, 2 and 3. Chapter 07 (chapters/07_muon.md), section "Muon
+under ZeRO". Exercised by:
 
     torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --optimizer muon --zero-stage 2
+    torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --optimizer muon --zero-stage 3
     pytest tests/test_muon_zero.py
 
 AdamW's parameters (embeddings, head, gains, biases) live in ZeRO's flat shards as without
@@ -19,6 +20,20 @@ too: nothing needs them). The owner computes momentum and Newton-Schulz, and Muo
 all-gather per bucket of rounds hands every rank the updates (minidist/muon.py): Psi_muon
 (N - 1) / N more, so 2 Psi (N - 1) / N in all, as AdamW under ZeRO. (The updates travel in
 Muon's Newton-Schulz precision, bf16 by default: half the bytes of an fp32 all-gather.)
+
+Stage 3 (MuonUnderZero3) keeps no parameter whole at rest, Muon's matrices included: the
+ZeRO-3 optimizer shards and gathers them like every parameter (in units of their own,
+built with others=), but leaves their gradients and their update to Muon. The owners and
+the rounds are the same as above; each bucket of rounds is reduce-scattered to its owners
+during backward, as soon as its last gradient is in, so full-size gradients do not
+outlive their bucket (every micro-step: stage 3 keeps no full gradient to accumulate
+into, so the owners add the averaged ones up). An update must then reach only the ranks
+whose shards hold a piece of its matrix: one all-to-all per step, owner to holder, a
+flag and the piece; each rank applies the pieces it gets to its shards (weight decay and
+the update are elementwise, so a piece is updated as the whole would be). Bytes per rank:
+ZeRO-3's gathers and reduce-scatters as for AdamW (Muon's reduce-scatter to owners sends
+what ZeRO's to shards would), plus the all-to-all, Psi_muon (N - 1) / N^2 on average in
+bf16 (minidist.cost_model.muon_comm_volume).
 
 MuonUnderZero is the one gradient-sync object of such a run (minidist/ddp.py's interface):
 no_sync() lets Muon's gradients accumulate whole until the last micro-step, so they cross
