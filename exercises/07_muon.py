@@ -1,10 +1,10 @@
-"""Exercise 07: Newton-Schulz orthogonalisation, and Muon spread over ranks.
+"""Exercise 07: Newton-Schulz orthogonalisation, Muon spread over ranks, and Muon on ZeRO shards.
 
 Chapter 07 (chapters/07_muon.md) updates each hidden weight matrix with its momentum made
 orthogonal: M = U S V^T becomes (about) U V^T, every singular value close to 1, so the
 step moves the matrix as far along every direction the gradient points in, not mostly
 along the few with large singular values. An SVD would be slow on accelerators; a few
-matrix products are fast. Two parts:
+matrix products are fast. Three parts:
 
 (a) newton_schulz(G, steps=5, dtype=torch.bfloat16, eps=1e-7): approximately U V^T by
     `steps` steps of the quintic Newton-Schulz iteration with Keller Jordan's
@@ -21,8 +21,14 @@ matrix products are fast. Two parts:
     update. The constructor (the same as minidist.muon.Muon's), _world() and _apply() are
     written for you below; write _update() and step(). Chapter 07, sections 3 and 5.
 
-Implement, replacing each `raise NotImplementedError(...)`: newton_schulz, Muon._update
-and Muon.step.
+(c) Muon on shards: muon_step_on_shards, one distributed Muon step when the parameters
+    and the averaged gradients are ZeRO shards (chapter 06's flat layout) and no rank
+    holds a whole matrix. Each matrix's owner gathers its gradient whole, keeps its
+    momentum, runs Newton-Schulz, and sends each rank the piece of the update that lies
+    in that rank's shard. Its docstring, below, states the setting.
+
+Implement, replacing each `raise NotImplementedError(...)`: newton_schulz, Muon._update,
+Muon.step and muon_step_on_shards.
 
 What the grader checks in (a):
 - fp32: each singular value s of G comes out as p applied `steps` times to s / ||G||_F,
@@ -61,9 +67,36 @@ What the grader checks in (b):
   so its marks do not depend on part (a); your newton_schulz gives the same bits once it
   matches torch's.
 
-Rule enforced in every check (a check that breaks it scores 0): no torch.optim.Muon and
-no torch.optim._muon._zeropower_via_newtonschulz in what you write: they are the
-grader's oracles.
+What the grader checks in (c), on 2 and 3 ranks (5 matrices of uneven shapes, so neither
+world size divides their number, the padded layout, and matrices that straddle two
+ranks' shards; the owners are not the ranks that hold the matrices), over 3 steps:
+- The shards of all ranks, put back together, equal torch.optim.Muon's parameters on the
+  whole matrices after every step, within 1% of how far each matrix has moved from its
+  start (the largest element of the difference against the largest of the movement).
+  Why 1%: the update is bf16, 8 significant bits, so one rounding moves an element by
+  up to 2^-8 = 0.4% of its size. Moving the exact fp32 gradient pieces and the bf16
+  update pieces gives torch's bits (the reference does); the slack allows a rounding or
+  two. Send the gradients in fp32: rounded to bf16 on the way they change Newton-Schulz's
+  own bf16 roundings, which moved these matrices by up to 2.4% (measured with the
+  grader's matrices). Forgetting the momentum, or the weight decay, is off by a quarter
+  and more here, and an update applied to the wrong piece by far more.
+- Each matrix's momentum is in `momenta` on its owner only, whole (rows x cols), equal
+  to torch.optim.Muon's momentum_buffer within the same 1%.
+- Bytes received per rank per step (counted on the ProcessGroup's collectives and recv)
+  at most 4 x G + 2 x U + 64 bytes per matrix: G the elements of the matrices it owns
+  that lie outside its shard (gradients, fp32), U the elements of its shard whose
+  matrix another rank owns (updates, in ns_dtype, bf16: as Muon's all_gather sends
+  them). Summed over ranks G and U are each about Psi_muon (N - 1) / N when ownership
+  does not follow the layout (Psi_muon: the matrices' elements), the elements ZeRO's
+  reduce-scatter and all-gather move. Gloo's dist.gather and dist.scatter need equal
+  sizes on every rank, and padding to the largest piece can exceed the bound: send the
+  exact pieces (dist.all_to_all_single with split sizes, or dist.isend and dist.irecv).
+
+Rules enforced in every check (a check that breaks one scores 0): no torch.optim.Muon
+and no torch.optim._muon._zeropower_via_newtonschulz in what you write: they are the
+grader's oracles. In part (c) no all-gather of any kind (dist.all_gather,
+all_gather_into_tensor, all_gather_object, ...): it would hand every rank every shard,
+which is what ZeRO avoids.
 
 Grade your work with
 
@@ -86,7 +119,7 @@ nesterov=..., ns_steps=..., adjust_lr_fn=...)` (pass them all: its defaults diff
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist  # for you: all_gather (and _world, below)
+import torch.distributed as dist  # for you: all_gather, all_to_all_single (and _world, below)
 
 from minidist.muon import adjust_lr
 from minidist.muon import newton_schulz as ns_reference  # noqa: F401 - for you, in part (b)
@@ -160,9 +193,47 @@ class Muon(torch.optim.Optimizer):
             "step is not written yet (`python -m exercises.grade 07 --hint` gives a hint)")
 
 
+# ============================================================================ part (c)
+
+def muon_step_on_shards(param_shard: torch.Tensor, grad_shard: torch.Tensor, shapes: list,
+                        owners: list, momenta: dict, lr: float = 0.02, momentum: float = 0.95,
+                        nesterov: bool = True, weight_decay: float = 0.0, ns_steps: int = 5,
+                        adjust_lr_fn: str | None = None, ns_dtype: torch.dtype = torch.bfloat16,
+                        group=None) -> None:
+    """One Muon step of the matrices `shapes` when they are laid out as ZeRO lays out a unit
+    (minidist/zero/layout.py, chapter 06): matrix i flattened (row-major), the matrices
+    concatenated in order, the whole padded with zeros to a multiple of N (the world
+    size); S = padded length / N, and rank r holds elements [r*S, (r+1)*S).
+
+    param_shard  this rank's S elements of the parameters (float32): update it IN PLACE
+    grad_shard   this rank's S elements of the gradient, already averaged over ranks
+    shapes       [(rows, cols)] of each matrix, the same on every rank
+    owners       owners[i] is the rank that owns matrix i, the same on every rank
+    momenta      {i: momentum of matrix i (rows x cols)}: the caller passes the same dict
+                 at every step; keep in it only the matrices this rank owns (create each
+                 as zeros at the first step)
+    lr, momentum, nesterov, weight_decay, ns_steps, adjust_lr_fn: torch.optim.Muon's
+                 arguments (adjust_lr(lr, shape, adjust_lr_fn) scales each matrix's lr)
+    ns_dtype     the Newton-Schulz precision;  group: the process group (None: default)
+
+    A collective: every rank calls it. Steps: (1) each matrix's gradient whole on its
+    owner (every rank sends the owner the piece of the matrix that lies in its shard);
+    (2) on the owner: momentum, Newton-Schulz (ns_reference, or your newton_schulz);
+    (3) each rank receives, from each owner, the piece of that owner's update that lies
+    in its shard; (4) each rank applies what lies in its shard: decoupled weight decay,
+    then the step with the adjusted learning rate (Muon._apply's arithmetic, on a piece).
+    Everything is computable from shapes and owners on every rank: no sizes to exchange.
+    No all-gather of any kind."""
+    raise NotImplementedError(
+        "muon_step_on_shards is not written yet (`python -m exercises.grade 07 --hint` gives a hint)")
+
+
 # Where minidist implements each; `python -m exercises.grade 07 --reference` grades these
-# instead of the stubs above. Leave it as it is.
+# instead of the stubs above. Leave it as it is. (minidist's Muon under ZeRO works on its
+# own objects, not on this function's bare shards: the shards step's reference is the
+# grader's own, in exercises/checks_07.py.)
 REFERENCE = {
     "newton_schulz": "minidist.muon:newton_schulz",
     "Muon": "minidist.muon:Muon",
+    "muon_step_on_shards": "exercises.checks_07:reference_muon_step_on_shards",
 }

@@ -13,6 +13,14 @@ arithmetic); a wrong answer is compared with a few classic mistakes, written out
 3 processes started by minidist.launch.launch (gloo), one launch per world size for every
 part (see exercises/_harness.py); every rank's parameters after every step are compared
 with torch.optim.Muon's, run here, and every rank reports which momentum it holds.
+
+Muon on shards (part (c)) runs in its own launch per world size, under its own rules (no
+all-gather of any kind, SHARD_RULES): the shards of every rank are put back together and
+compared with torch.optim.Muon on the whole matrices (within SHARD_TOL of the movement),
+the momenta each rank keeps with its ownership, and the bytes each rank received (counted
+on the ProcessGroup methods every torch.distributed call ends in) with what the layout
+says it must receive. Its reference, reference_muon_step_on_shards, lives here: minidist's
+Muon under ZeRO works on its own objects, not on bare shards.
 """
 
 from __future__ import annotations
@@ -529,6 +537,387 @@ def _missing_text() -> str:
                      + f" at step {t}" for t, i in by_step.items())
 
 
+# --------------------------------------------------------------------- part (c): Muon on shards
+
+# 5 matrices of uneven shapes, 4799 elements: neither 2 nor 3 divides their number, the
+# layout is padded at both world sizes, and on 2 ranks matrix 2, on 3 ranks matrices 1 and 3,
+# straddle two ranks' shards
+SHARD_SHAPES = ((24, 40), (40, 24), (33, 31), (16, 56), (48, 20))
+SHARD_STEPS = 3
+SHARD_KW = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1)
+SHARD_TOL = 0.01  # of how far a matrix has moved: bf16 rounds by up to 2^-8 = 0.4%
+SHARD_FLAG_BYTES = 64  # per matrix, the bound's allowance for flags
+_ALL_GATHERS = ("allgather", "allgather_coalesced", "allgather_into_tensor_coalesced",
+                "_allgather_base", "all_gather_single", "all_gather_single_coalesced")
+SHARD_RULES = _rules.Rules(
+    allowed=tuple(c for c in _rules.COLLECTIVES if c not in _ALL_GATHERS),
+    collective_rule="Muon on shards sends each owner only its matrices' gradient pieces and "
+                    "each rank only its shard's update pieces (dist.all_to_all_single with "
+                    "split sizes, or dist.isend/irecv); an all-gather (any form) would hand "
+                    "every rank every shard, which is what ZeRO avoids",
+    apis=RULES.apis)
+SHARD_HANG_HINT = ("Every rank must join every collective of the step, in the same order and "
+                   "with matching sizes: also a rank that owns no matrix, or holds no piece of "
+                   "one (a split size of 0).")
+
+
+def _shard_owners(n: int) -> list[int]:
+    """Matrix i's owner: never the rank that holds it all (on 2 ranks matrix 1 is an
+    exception: it lies in its owner's shard, and nothing of it needs to move)."""
+    return [(i + 1) % n for i in range(len(SHARD_SHAPES))]
+
+
+def _starts(shapes=SHARD_SHAPES) -> list[int]:
+    return [sum(a * b for a, b in shapes[:i]) for i in range(len(shapes) + 1)]
+
+
+def _shard_len(n: int) -> int:
+    return math.ceil(_starts()[-1] / n)
+
+
+def _flat(mats, n: int) -> torch.Tensor:
+    """The matrices flattened, concatenated and padded with zeros to n x S."""
+    flat = torch.cat([m.detach().reshape(-1) for m in mats])
+    return torch.cat([flat, flat.new_zeros(n * _shard_len(n) - flat.numel())])
+
+
+def _overlap(i: int, j: int, n: int) -> int:
+    """Elements of matrix i in rank j's shard."""
+    S, st = _shard_len(n), _starts()
+    return max(0, min(st[i + 1], (j + 1) * S) - max(st[i], j * S))
+
+
+def _must_receive(n: int) -> list[tuple[int, int]]:
+    """Per rank, the elements it must receive: (of the matrices it owns, those outside its
+    shard: gradients; of its shard, those of matrices another rank owns: updates)."""
+    owners, k = _shard_owners(n), len(SHARD_SHAPES)
+    return [(sum(_overlap(i, j, n) for i in range(k) for j in range(n) if j != r and owners[i] == r),
+             sum(_overlap(i, r, n) for i in range(k) if owners[i] != r))
+            for r in range(n)]
+
+
+def _shard_bound(n: int) -> list[int]:
+    """Bytes per rank per step: gradients in fp32 (the shards' dtype), updates in bf16 (the
+    Newton-Schulz dtype, as Muon's all_gather sends them), and flags."""
+    return [4 * g + 2 * u + SHARD_FLAG_BYTES * len(SHARD_SHAPES) for g, u in _must_receive(n)]
+
+
+# bytes received, counted on the ProcessGroup methods every torch.distributed call ends in
+_COUNTED = tuple(_rules.COLLECTIVES) + ("recv", "recv_anysource")
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for y in x for t in _tensors(y)]
+    return []
+
+
+def _nbytes(x) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(x))
+
+
+def _received(name: str, rank: int, n: int, args) -> int:
+    """Bytes that reach this rank from the others in one call of ProcessGroup.`name`."""
+    root = getattr(args[-1], "rootRank", args[-1] if isinstance(args[-1], int) else -1)
+    if name in ("all_to_all_single", "alltoall_base"):
+        out, splits = args[0], list(args[2]) if len(args) > 2 else []
+        rows = out.shape[0] if out.dim() else 1
+        own = splits[rank] if splits else rows // n
+        return (rows - own) * _nbytes(out) // max(rows, 1)
+    if name == "alltoall":
+        return sum(_nbytes(t) for j, t in enumerate(args[0]) if j != rank)
+    if name == "gather":
+        lists = args[0]
+        return sum(_nbytes(t) for j, t in enumerate(lists[0]) if j != root) if lists and rank == root else 0
+    if name in ("scatter", "broadcast"):
+        return _nbytes(args[0]) if rank != root else 0
+    if name == "allreduce":  # what a ring all-reduce receives
+        return 2 * (n - 1) * _nbytes(args[0]) // n
+    if name in ("recv", "recv_anysource"):
+        return _nbytes(args[0])
+    return _nbytes(args)  # anything else: every tensor it touches, an upper bound
+
+
+class _Counting:
+    """While in use, {ProcessGroup method: bytes this rank received through it}."""
+
+    def __enter__(self):
+        import torch.distributed as dist
+        self.got, self.undo = {}, []
+        for name in _COUNTED:
+            orig = dist.ProcessGroup.__dict__.get(name)
+            if orig is None:
+                continue
+
+            def counted(pg, *args, _name=name, _orig=orig, **kwargs):
+                b = _received(_name, pg.rank(), pg.size(), args) if args else 0
+                self.got[_name] = self.got.get(_name, 0) + b
+                return _orig(pg, *args, **kwargs)
+            setattr(dist.ProcessGroup, name, counted)
+            self.undo.append((name, orig))
+        return self.got
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+        for name, orig in reversed(self.undo):
+            setattr(dist.ProcessGroup, name, orig)
+
+
+def _shards_part(fns: dict, r: int, n: int) -> dict:
+    """On each rank: SHARD_STEPS steps of the learner's muon_step_on_shards on this rank's
+    shards of seeded parameters and gradients."""
+    S, owners = _shard_len(n), _shard_owners(n)
+    param_shard = _flat(_params(SHARD_SHAPES), n)[r * S:(r + 1) * S].clone()
+    momenta, trajectory = {}, []
+    with _Counting() as got:
+        for t in range(SHARD_STEPS):
+            grad_shard = _flat(_grads(t, SHARD_SHAPES), n)[r * S:(r + 1) * S].clone()
+            fns["muon_step_on_shards"](param_shard, grad_shard, list(SHARD_SHAPES), list(owners),
+                                       momenta, **SHARD_KW)
+            trajectory.append(param_shard.detach().clone())
+    kept = {i: (v.detach().clone() if isinstance(v, torch.Tensor) else None) for i, v in momenta.items()}
+    return {"trajectory": trajectory, "momenta": kept, "received": dict(got)}
+
+
+@torch.no_grad()
+def reference_muon_step_on_shards(param_shard, grad_shard, shapes, owners, momenta, lr=0.02,
+                                  momentum=0.95, nesterov=True, weight_decay=0.0, ns_steps=5,
+                                  adjust_lr_fn=None, ns_dtype=torch.bfloat16, group=None):
+    """Exercise 07 (c)'s reference: one all_to_all_single brings the gradient pieces to the
+    owners, another takes the update pieces back (see the stub's docstring)."""
+    import torch.distributed as dist
+
+    from minidist.muon import adjust_lr
+    from minidist.newton_schulz import newton_schulz
+    rank, n, S = dist.get_rank(group), dist.get_world_size(group), param_shard.numel()
+    st = [0]
+    for a, b in shapes:
+        st.append(st[-1] + a * b)
+
+    def piece(i, j):  # matrix i's elements in rank j's shard, in flat coordinates
+        return max(st[i], j * S), min(st[i + 1], (j + 1) * S)
+
+    def pieces(j, mine):  # [(i, a, b)] of the matrices `mine` that lie in rank j's shard
+        return [(i, *piece(i, j)) for i in mine if piece(i, j)[0] < piece(i, j)[1]]
+
+    of = [[i for i, o in enumerate(owners) if o == j] for j in range(n)]
+    # (1) to each owner j, the pieces of its matrices in my shard; from each rank, mine
+    send = [grad_shard[a - rank * S:b - rank * S] for j in range(n) for _, a, b in pieces(rank, of[j])]
+    out_sizes = [sum(b - a for _, a, b in pieces(j, of[rank])) for j in range(n)]
+    in_sizes = [sum(b - a for _, a, b in pieces(rank, of[j])) for j in range(n)]
+    recv = grad_shard.new_empty(sum(out_sizes))
+    dist.all_to_all_single(recv, torch.cat(send) if send else grad_shard[:0], out_sizes, in_sizes,
+                           group=group)
+    whole = {i: [] for i in of[rank]}
+    at = 0
+    for j in range(n):  # rank j's pieces come in matrix order; ranks in order rebuild each matrix
+        for i, a, b in pieces(j, of[rank]):
+            whole[i].append(recv[at:at + b - a])
+            at += b - a
+    # (2) the owner's work: momentum, Newton-Schulz
+    updates = {}
+    for i in of[rank]:
+        g = torch.cat(whole[i]).view(shapes[i])
+        buf = momenta.setdefault(i, torch.zeros_like(g))
+        buf.lerp_(g, 1 - momentum)
+        m = g.lerp(buf, momentum) if nesterov else buf
+        updates[i] = newton_schulz(m, ns_steps, ns_dtype).reshape(-1)
+    # (3) to each rank j, the pieces of my updates in its shard; (4) apply mine
+    send = [updates[i][a - st[i]:b - st[i]] for j in range(n) for i, a, b in pieces(j, of[rank])]
+    recv = torch.empty(sum(in_sizes), dtype=ns_dtype)
+    dist.all_to_all_single(recv, torch.cat(send) if send else recv[:0], in_sizes, out_sizes,
+                           group=group)
+    at = 0
+    for j in range(n):
+        for i, a, b in pieces(rank, of[j]):
+            p = param_shard[a - rank * S:b - rank * S]
+            p.mul_(1 - lr * weight_decay)
+            p.add_(recv[at:at + b - a], alpha=-adjust_lr(lr, shapes[i], adjust_lr_fn))
+            at += b - a
+
+
+def _shards_preflight(fn) -> str | None:
+    """A stub's hint, without a launch (see _preflight)."""
+    try:
+        fn(torch.zeros(4), torch.zeros(4), [(2, 2)], [0], {}, **SHARD_KW)
+    except NotImplementedError as e:
+        return str(e)
+    except Exception:  # no process group here: the ranks will show anything else
+        pass
+    return None
+
+
+_SHARDS_CACHE = H.Cache()
+
+
+def _shards_results(impl) -> dict:
+    fn = impl.muon_step_on_shards
+
+    def compute():
+        hint = _shards_preflight(fn)
+        if hint is not None:
+            return {("shards", n): ("notimpl", hint) for n in WORLD_SIZES}
+        return H.run_all({"shards": _shards_part}, {"muon_step_on_shards": fn}, WORLD_SIZES,
+                         TIMEOUT_S, SHARD_HANG_HINT, SHARD_RULES)
+    return _SHARDS_CACHE.get((fn, WORLD_SIZES, TIMEOUT_S), compute)
+
+
+@functools.lru_cache(maxsize=None)
+def _shards_oracle(mistake: str | None = None):
+    """torch.optim.Muon on the whole matrices: (parameters after each step, final momentum
+    per matrix). With a mistake, the same steps written out with it, to name it."""
+    ps = _params(SHARD_SHAPES)
+    trajectory = []
+    with _rules.exempt(), torch.no_grad():  # the grader's oracles
+        opt = torch.optim.Muon(ps, **SHARD_KW) if mistake is None else None
+        bufs = [torch.zeros_like(p) for p in ps]
+        for t in range(SHARD_STEPS):
+            for i, (p, grad) in enumerate(zip(ps, _grads(t, SHARD_SHAPES))):
+                p.grad = grad
+                if opt is not None:
+                    continue
+                mu, lr, wd = SHARD_KW["momentum"], SHARD_KW["lr"], SHARD_KW["weight_decay"]
+                bufs[i].lerp_(grad, 1 - mu)
+                m = grad if mistake == "no momentum" else grad.lerp(bufs[i], mu)
+                update = _torch_ns(m, COEFFICIENTS, 5, 1e-7)
+                if mistake != "no weight decay":
+                    p.mul_(1 - lr * wd)
+                factor = 1.0 if mistake == "lr not adjusted" else _lr_factor(p.shape, None)
+                p.add_(update, alpha=-lr * factor)
+            if opt is not None:
+                opt.step()
+            trajectory.append([p.detach().clone() for p in ps])
+    momentum = {i: opt.state[p]["momentum_buffer"].clone() for i, p in enumerate(ps)} if opt else {}
+    return trajectory, momentum
+
+
+SHARD_MISTAKES = {
+    "no momentum": "it is the update of the raw gradient: Newton-Schulz orthogonalises the "
+                   "(Nesterov) momentum, buf.lerp_(grad, 1 - momentum) kept in momenta[i] "
+                   "across steps, then grad.lerp(buf, momentum)",
+    "no weight decay": "weight decay was not applied: param.mul_(1 - lr * weight_decay) on the "
+                       "piece before the step",
+    "lr not adjusted": "the learning rate was not adjusted to the matrix's shape: "
+                       "adjust_lr(lr, shapes[i], adjust_lr_fn)",
+}
+
+
+def _far(got: torch.Tensor, want: torch.Tensor, start: torch.Tensor) -> float:
+    """The largest difference, as a fraction of the largest movement from the start."""
+    moved = (want - start).abs().max().item()
+    return (got - want).abs().max().item() / max(moved, 1e-30)
+
+
+def _shards_problem(n: int, per_rank: list) -> str | None:
+    want, _ = _shards_oracle()
+    st, S, k = _starts(), _shard_len(n), len(SHARD_SHAPES)
+    start = [p.detach() for p in _params(SHARD_SHAPES)]
+    steps = [len(res["trajectory"]) for res in per_rank]
+    if any(s != SHARD_STEPS for s in steps):
+        return f"on {n} ranks: steps recorded per rank {steps}, want {SHARD_STEPS}"
+    for t in range(SHARD_STEPS):
+        flat = torch.cat([res["trajectory"][t].float().reshape(-1) for res in per_rank])
+        if flat.numel() != n * S:
+            return (f"on {n} ranks: the shards hold {flat.numel()} elements in all, want "
+                    f"{n * S}: update param_shard in place, keeping its length")
+        got = [flat[st[i]:st[i + 1]].view(SHARD_SHAPES[i]) for i in range(k)]
+        for i in range(k):
+            if bool(torch.isfinite(got[i]).all()) and _far(got[i], want[t][i], start[i]) <= SHARD_TOL:
+                continue
+            at = (f"on {n} ranks (owners {_shard_owners(n)}), after step {t + 1}, matrix {i} "
+                  f"{SHARD_SHAPES[i]}, put back together from the shards")
+            before = want[t - 1][i] if t else start[i]
+            g, w = got[i].reshape(-1), want[t][i].reshape(-1)
+            for j in range(n):  # a rank whose piece did not move, or only decayed
+                a, b = max(st[i], j * S) - st[i], min(st[i + 1], (j + 1) * S) - st[i]
+                if a >= b or _far(g[a:b], w[a:b], before.reshape(-1)[a:b]) <= SHARD_TOL:
+                    continue
+                prev = (per_rank[j]["trajectory"][t - 1] if t else
+                        _flat(start, n)[j * S:(j + 1) * S]).float()[a + st[i] - j * S:b + st[i] - j * S]
+                decay = 1 - SHARD_KW["lr"] * SHARD_KW["weight_decay"]
+                if torch.equal(g[a:b], prev) or torch.allclose(g[a:b], prev * decay):
+                    return (f"{at}: on rank {j}, which holds its elements [{a}, {b}), it did not "
+                            f"move{' (only decayed)' if not torch.equal(g[a:b], prev) else ''}: "
+                            f"its owner, rank {_shard_owners(n)[i]}, must send each rank the piece "
+                            "of the update that lies in its shard, and that rank applies it there")
+            for mistake, why in SHARD_MISTAKES.items():
+                if _far(got[i], _shards_oracle(mistake)[0][t][i], start[i]) <= SHARD_TOL:
+                    return f"{at} differs from torch.optim.Muon's on the whole matrix: {why}"
+            m = int((g - w).abs().argmax())
+            return (f"{at} differs from torch.optim.Muon's on the whole matrix by "
+                    f"{_far(got[i], want[t][i], start[i]):.3g} of how far it moved (tolerance "
+                    f"{SHARD_TOL}): element {m} is {g[m].item():.6g}, want {w[m].item():.6g}. Is "
+                    "each piece where the layout puts it (matrix i starts at the sum of the "
+                    "earlier matrices' sizes; rank r holds [r*S, (r+1)*S))?")
+    return None
+
+
+def _shard_ranks(impl):
+    return H.per_world_size(_shards_results(impl), "shards", WORLD_SIZES)
+
+
+@check("07", points=3, name="Muon on shards, 2 and 3 ranks: the shards put together == torch.optim.Muon "
+                            "on the whole matrices (within 1% of the movement: bf16)")
+def _shards_equal(impl):
+    H.first_problem(_shards_problem(n, per_rank) for n, per_rank in _shard_ranks(impl))
+
+
+@check("07", points=2, name="Muon on shards: each matrix's momentum whole, on its owner only")
+def _shards_momentum(impl):
+    _, want = _shards_oracle()
+    start = {i: torch.zeros(s) for i, s in enumerate(SHARD_SHAPES)}
+    for n, per_rank in _shard_ranks(impl):
+        owners = _shard_owners(n)
+        for r, res in enumerate(per_rank):
+            kept = res["momenta"]
+            mine = [i for i in range(len(SHARD_SHAPES)) if owners[i] == r]
+            extra = sorted(set(kept) - set(mine), key=str)
+            assert not extra, (
+                f"on {n} ranks (owners {owners}), rank {r} keeps momenta for {extra}, which it does "
+                "not own: only the owner keeps a matrix's momentum (1/N of the state per rank)")
+            for i in mine:
+                assert i in kept, (
+                    f"on {n} ranks (owners {owners}), rank {r} owns matrix {i} but keeps no "
+                    f"momenta[{i}]: the owner keeps it across steps, buf.lerp_(grad, 1 - momentum)")
+                got = kept[i]
+                assert isinstance(got, torch.Tensor) and tuple(got.shape) == SHARD_SHAPES[i], (
+                    f"on {n} ranks, rank {r}: momenta[{i}] is "
+                    f"{tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}, "
+                    f"want the whole matrix, shape {SHARD_SHAPES[i]}")
+                err = _far(got.float(), want[i], start[i])
+                assert err <= SHARD_TOL, (
+                    f"on {n} ranks, rank {r}: momenta[{i}] differs from torch.optim.Muon's "
+                    f"momentum_buffer by {err:.3g} of its size after {SHARD_STEPS} steps: "
+                    "buf.lerp_(grad, 1 - momentum) once per step, on the whole averaged gradient")
+
+
+@check("07", points=2, name="Muon on shards: bytes received per rank <= its owned matrices' gradient "
+                            "pieces (fp32) + its shard's update pieces (bf16) + 64 per matrix")
+def _shards_bytes(impl):
+    for n, per_rank in _shard_ranks(impl):
+        need, bound = _must_receive(n), _shard_bound(n)
+        for r, res in enumerate(per_rank):
+            got = sum(res["received"].values())
+            assert 0 < got or need[r] == (0, 0), (
+                f"on {n} ranks, rank {r} received nothing through torch.distributed's "
+                "collectives or recv, but it must receive some gradient and update pieces")
+            if got <= SHARD_STEPS * bound[r]:
+                continue
+            by = {k: v for k, v in res["received"].items() if v}
+            (g, u) = need[r]
+            raise AssertionError(
+                f"on {n} ranks (owners {_shard_owners(n)}), rank {r} received {got} bytes in "
+                f"{SHARD_STEPS} steps ({by}); the bound is {SHARD_STEPS} x (4 x {g} + 2 x {u} + "
+                f"{SHARD_FLAG_BYTES} x {len(SHARD_SHAPES)}) = {SHARD_STEPS * bound[r]}: per step "
+                f"it must receive {g} gradient elements (fp32: of the matrices it owns, those "
+                f"outside its shard) and {u} update elements (bf16, ns_dtype: of its shard, "
+                "those of matrices others own). Send each rank only its pieces, exactly "
+                "(all_to_all_single with split sizes), the updates in ns_dtype; no whole shard "
+                "or whole update to every rank")
+
+
 # Tiered hints, shown one at a time by `python -m exercises.grade 07 --hint` (moved out of the stub, which poses the problem).
 _NS_ITERATION = (
     "The iteration, on X = G converted to `dtype`: X = X / max(||X||_F, eps) (every "
@@ -571,6 +960,30 @@ _MUON_GATHER = (
     "round's all_gather, also the owner of a matrix without a gradient, and a rank that "
     "owns nothing in a round.")
 
+_SHARDS_LAYOUT = (
+    "Muon on shards: write down where everything lies first, the same on every rank. "
+    "start[i] = the sum of the earlier matrices' rows x cols; S = param_shard.numel(); "
+    "matrix i's piece in rank j's shard is [max(start[i], j*S), min(start[i+1], (j+1)*S)) "
+    "in flat coordinates (empty when the first is not below the second); in rank j's "
+    "shard it starts at that minus j*S. Each piece travels once: to the owner as "
+    "gradient, back from the owner as update.")
+_SHARDS_ALL_TO_ALL = (
+    "One dist.all_to_all_single(out, inp, out_sizes, in_sizes) per direction. Gradients: "
+    "inp is, for j = 0..N-1 in order, the pieces of my shard that belong to matrices rank j "
+    "owns (in matrix order), concatenated; in_sizes[j] their total; out_sizes[j] the total "
+    "of the pieces of MY matrices in rank j's shard. What arrives from rank j comes in "
+    "matrix order, and ranks in order give each matrix's elements in order: torch.cat its "
+    "pieces and .view(shape). Updates go back the same way with the sizes swapped.")
+_SHARDS_RECIPE = (
+    "muon_step_on_shards: rank, n = dist.get_rank(group), dist.get_world_size(group); "
+    "mine = [i for i, o in enumerate(owners) if o == rank]; gradient all_to_all_single as "
+    "in the previous hint; for i in mine: g = whole gradient; buf = momenta.setdefault(i, "
+    "torch.zeros_like(g)); buf.lerp_(g, 1 - momentum); m = g.lerp(buf, momentum) if "
+    "nesterov else buf; u = ns_reference(m, ns_steps, ns_dtype).reshape(-1); send each "
+    "rank its pieces of u (all_to_all_single, recv buffer in ns_dtype); for each piece "
+    "received, p = param_shard[a - rank*S:b - rank*S]; p.mul_(1 - lr * weight_decay); "
+    "p.add_(piece, alpha=-adjust_lr(lr, shapes[i], adjust_lr_fn))")
+
 # hints that several checks share
 _HINT_STEP = (
     'step: rank, world = self._world(); items = [(p, g) for g in self.param_groups '
@@ -608,5 +1021,20 @@ HINTS = {
     "_missing_grads": [
         _MUON_GATHER,
         _HINT_STEP,
+    ],
+    "_shards_equal": [_SHARDS_LAYOUT, _SHARDS_ALL_TO_ALL, _SHARDS_RECIPE],
+    "_shards_momentum": [
+        "Only the owner of matrix i keeps momenta[i], the whole matrix (rows x cols), created "
+        "as zeros at the first step and updated in place with buf.lerp_(grad, 1 - momentum), "
+        "where grad is the whole averaged gradient the owner put together from the pieces.",
+        _SHARDS_RECIPE,
+    ],
+    "_shards_bytes": [
+        "Count what must reach rank r per step: the pieces, outside its shard, of the matrices "
+        "it owns, and the pieces, inside its shard, of the matrices others own. Anything more "
+        "(a whole shard to every rank, a whole update broadcast, padding to the largest "
+        "piece) is over the bound.",
+        _SHARDS_ALL_TO_ALL,
+        _SHARDS_RECIPE,
     ],
 }

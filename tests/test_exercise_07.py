@@ -3,12 +3,16 @@ Muon, each in the checks it belongs to; a solution written the way the exercise 
 scores full; and the grader's own oracle of the mistakes holds together (written out,
 without a mistake, it is torch.optim.Muon to the bit).
 
-(tests/test_exercises.py proves that the stubs score 0 and minidist scores full.) Each
+(tests/test_exercises.py proves that the stubs score 0 and the references score full.) Each
 process launch costs seconds here, so the distributed parts of the plain solution and of
 three distributed mistakes run in one launch on 2 ranks (the hang last: nothing after it
 runs; the grader's 3 ranks run for minidist in tests/test_exercises.py); the other
-mistakes are graded by the single-process checks of the piece they break. The
-implementations live at module level: cloudpickle ships them to the ranks by name.
+mistakes are graded by the single-process checks of the piece they break. Muon on
+shards (part (c)) has its own launch on 2 ranks, under its own rules: a plain solution
+with point-to-point messages scores full, one that all-gathers scores 0 naming the rule,
+and three mistakes (no momentum, the wrong piece, whole updates broadcast) lose the checks
+they break. The implementations live at module level: cloudpickle ships them to the ranks
+by name.
 """
 
 import importlib
@@ -155,7 +159,10 @@ class SkipsCollectiveMuon(PlainMuon):  # the owner of a matrix without gradient 
 CHECK7 = {"singular": "each singular value", "tall": "newton_schulz, tall", "batched": "batched",
           "dtype": "dtype: runs in", "zeros": "zero matrix", "bits": "bit for bit torch's own",
           "one": "Muon, one process", "ranks": "every rank's parameters",
-          "state": "momentum only on its owner", "missing": "some gradients None"}
+          "state": "momentum only on its owner", "missing": "some gradients None",
+          "shards": "the shards put together", "shard_momentum": "momentum whole, on its owner",
+          "shard_bytes": "bytes received per rank"}
+SHARD_CHECKS = {"shards", "shard_momentum", "shard_bytes"}
 
 NS_MISTAKES = {
     # name: (newton_schulz, {check that must fail: a phrase its message contains})
@@ -264,6 +271,7 @@ def test_07_plain_solution_scores_full_and_distributed_mistakes_lose_their_check
     # one launch, on 2 ranks, the hang last (3 ranks: minidist's, in tests/test_exercises.py)
     results = C7.H.run_all(parts, {}, {2: list(parts)}, TIMEOUT_S, C7.HANG_HINT)
     monkeypatch.setattr(C7, "WORLD_SIZES", (2,))
+    _only(monkeypatch, set(CHECK7) - SHARD_CHECKS)  # Muon on shards: its own test below
     failures = {}
     for impl, (cls, _, must_fail) in RANK_PARTS.items():
         mine = {(part, 2): results[f"{impl}/{part}", 2] for part in ("full", "missing")}
@@ -319,3 +327,153 @@ def test_07_torchs_newton_schulz_inside_scores_0_naming_the_rule(monkeypatch):
     for c in r.checks:
         assert "_zeropower_via_newtonschulz was called, which this exercise forbids" in c.message, \
             c.message
+
+
+# -- Muon on shards (part (c)): a plain solution with point-to-point messages (the
+# reference, exercises/checks_07.py, uses all_to_all_single), and its mistakes
+
+@torch.no_grad()
+def plain_shards(param_shard, grad_shard, shapes, owners, momenta, lr=0.02, momentum=0.95,
+                 nesterov=True, weight_decay=0.0, ns_steps=5, adjust_lr_fn=None,
+                 ns_dtype=torch.bfloat16, group=None, mistake=None):
+    rank, n, S = dist.get_rank(group), dist.get_world_size(group), param_shard.numel()
+    if mistake == "all-gather":  # every rank gets every shard: what the rule forbids
+        whole = grad_shard.new_empty(n * S)
+        dist.all_gather_into_tensor(whole, grad_shard, group=group)
+    start = [0]
+    for a, b in shapes:
+        start.append(start[-1] + a * b)
+
+    def piece(i, j):  # matrix i's elements in rank j's shard, in the matrix's coordinates
+        a, b = max(start[i], j * S), min(start[i + 1], (j + 1) * S)
+        return (a - start[i], b - start[i]) if a < b else None
+
+    def local(i):  # my shard's view of matrix i's piece
+        a, b = piece(i, rank)
+        return slice(start[i] + a - rank * S, start[i] + b - rank * S)
+
+    works, grads = [], {}
+    for i, (rows, cols) in enumerate(shapes):  # (1) gradient pieces to the owners
+        if owners[i] == rank:
+            grads[i] = g = torch.empty(rows * cols)
+            for j in range(n):
+                if (pj := piece(i, j)) is not None:
+                    if j == rank:
+                        g[pj[0]:pj[1]].copy_(grad_shard[local(i)])
+                    else:
+                        works.append(dist.irecv(g[pj[0]:pj[1]], j, group=group, tag=i))
+        elif piece(i, rank) is not None:
+            works.append(dist.isend(grad_shard[local(i)].clone(), owners[i], group=group, tag=i))
+    for w in works:
+        w.wait()
+    works, updates, incoming = [], {}, {}
+    for i in grads:  # (2) the owner's momentum and Newton-Schulz
+        g = grads[i].view(shapes[i])
+        if mistake == "no momentum":
+            m = g
+        else:
+            buf = momenta.setdefault(i, torch.zeros_like(g))
+            buf.lerp_(g, 1 - momentum)
+            m = g.lerp(buf, momentum) if nesterov else buf
+        updates[i] = E7.ns_reference(m, ns_steps, ns_dtype).reshape(-1)
+    for i in range(len(shapes)):  # (3) the update pieces to the ranks that hold them
+        if owners[i] == rank:
+            for j in range(n):
+                if (pj := piece(i, j)) is not None:
+                    a, b = (0, pj[1] - pj[0]) if mistake == "wrong piece" else pj
+                    if mistake == "broadcast":  # the whole update, to every rank
+                        continue
+                    if j == rank:
+                        incoming[i] = updates[i][a:b]
+                    else:
+                        works.append(dist.isend(updates[i][a:b].clone(), j, group=group, tag=100 + i))
+        elif mistake != "broadcast" and (pj := piece(i, rank)) is not None:
+            incoming[i] = torch.empty(pj[1] - pj[0], dtype=ns_dtype)
+            works.append(dist.irecv(incoming[i], owners[i], group=group, tag=100 + i))
+    if mistake == "broadcast":
+        for i, (rows, cols) in enumerate(shapes):
+            u = updates.get(i, torch.empty(rows * cols, dtype=ns_dtype))
+            dist.broadcast(u, owners[i], group=group)
+            if (pj := piece(i, rank)) is not None:
+                incoming[i] = u[pj[0]:pj[1]]
+    for w in works:
+        w.wait()
+    for i, u in incoming.items():  # (4) weight decay and the step, on my pieces
+        p = param_shard[local(i)]
+        p.mul_(1 - lr * weight_decay)
+        p.add_(u, alpha=-E7.adjust_lr(lr, shapes[i], adjust_lr_fn))
+
+
+def shards_all_gather(*a, **k):
+    return plain_shards(*a, mistake="all-gather", **k)
+
+
+def shards_no_momentum(*a, **k):
+    return plain_shards(*a, mistake="no momentum", **k)
+
+
+def shards_wrong_piece(*a, **k):
+    return plain_shards(*a, mistake="wrong piece", **k)
+
+
+def shards_broadcast(*a, **k):
+    return plain_shards(*a, mistake="broadcast", **k)
+
+
+def _shards_plain(fns, r, n):
+    return C7._shards_part({"muon_step_on_shards": plain_shards}, r, n)
+
+
+def _shards_all_gather(fns, r, n):
+    return C7._shards_part({"muon_step_on_shards": shards_all_gather}, r, n)
+
+
+def _shards_no_momentum(fns, r, n):
+    return C7._shards_part({"muon_step_on_shards": shards_no_momentum}, r, n)
+
+
+def _shards_wrong_piece(fns, r, n):
+    return C7._shards_part({"muon_step_on_shards": shards_wrong_piece}, r, n)
+
+
+def _shards_broadcast(fns, r, n):
+    return C7._shards_part({"muon_step_on_shards": shards_broadcast}, r, n)
+
+
+RULE = "was called, which this exercise forbids: Muon on shards sends each owner only"
+SHARD_PARTS = {
+    # name: (function, its part, {check that must fail: a phrase its message contains})
+    "plain": (plain_shards, _shards_plain, {}),
+    "all-gather": (shards_all_gather, _shards_all_gather,
+                   {k: RULE for k in SHARD_CHECKS}),
+    "no momentum": (shards_no_momentum, _shards_no_momentum,
+                    {"shards": "raw gradient", "shard_momentum": "keeps no momenta"}),
+    "wrong piece": (shards_wrong_piece, _shards_wrong_piece,
+                    {"shards": "where the layout puts it"}),
+    "broadcast": (shards_broadcast, _shards_broadcast, {"shard_bytes": "'broadcast'"}),
+}
+
+
+def test_07_shards_plain_solution_scores_full_and_mistakes_lose_their_checks(monkeypatch):
+    # one launch on 2 ranks, under the part's rules (3 ranks: the reference's, in
+    # tests/test_exercises.py)
+    parts = {name: part for name, (_, part, _) in SHARD_PARTS.items()}
+    results = C7.H.run_all(parts, {}, {2: list(parts)}, TIMEOUT_S, C7.SHARD_HANG_HINT, C7.SHARD_RULES)
+    monkeypatch.setattr(C7, "WORLD_SIZES", (2,))
+    _only(monkeypatch, SHARD_CHECKS)
+    for name, (fn, _, must_fail) in SHARD_PARTS.items():
+        mine = {("shards", 2): results[name, 2]}
+        monkeypatch.setattr(C7, "_shards_results", lambda impl_, mine=mine: mine)
+        r = G.grade("07", overrides=dict(muon_step_on_shards=fn))
+        which, failures = _failed(r)
+        assert which == set(must_fail), (name, failures)
+        for key, phrase in must_fail.items():
+            assert phrase in _message(failures, key), (name, key, failures)
+        if name == "all-gather":  # the rule: 0 on every check of the part, naming the API
+            assert r.points == 0 and all("dist.all_gather_into_tensor" in c.message for c in r.checks)
+    # the bound is tight: exact pieces (fp32 gradients, bf16 updates) are what the counter
+    # counts, to the byte, and each piece outside its owner's shard travels once each way
+    need = C7._must_receive(2)
+    assert sum(g for g, _ in need) == sum(u for _, u in need) > 0
+    got = [sum(res["received"].values()) for res in results["plain", 2][1]]
+    assert got == [C7.SHARD_STEPS * (4 * g + 2 * u) for g, u in need], (got, need)
