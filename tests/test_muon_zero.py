@@ -9,6 +9,7 @@ ranks ZeRO-2 -> 2 ranks ZeRO-3 -> one process; bytes sent and state per rank mat
 
 import argparse
 import contextlib
+import functools
 import math
 
 import pytest
@@ -97,6 +98,7 @@ def _ranks(cases):
     return out
 
 
+@functools.lru_cache(maxsize=None)  # the same for every world size: computed once
 def _oracle(precision):
     """One process, the whole global batch in one backward, torch's AdamW and Muon."""
     model = tiny_gpt(0)
