@@ -10,7 +10,9 @@ prints a table and writes NAME.json and NAME.png into --out:
     collectives  chapter 02: ring all-reduce, reduce-scatter, all-gather vs torch's; alpha-beta fit
     ddp          chapter 03: naive, flat, bucketed DDP vs torch's DDP, by bucket cap
     zero         chapter 06: ZeRO stages 0-3, memory vs the paper's formula, bytes, step time
-    muon         chapter 07: Newton-Schulz vs torch's, distributed Muon, Muon vs AdamW
+    muon         chapter 07: Newton-Schulz vs torch's, distributed Muon, Muon vs AdamW, and
+                 Muon under ZeRO stages 0-3 vs AdamW at the same stage
+    muon_zero    that last table alone
     scale        chapter 08: minidist.cost_model from 8 to 1024 GPUs (no processes)
     all          every one above, then report.md (minidist/bench/report.py); exit status 1
                  if any of them failed
@@ -22,7 +24,7 @@ import argparse
 import json
 from pathlib import Path
 
-from minidist.bench import collectives, ddp, muon, report, scale, zero
+from minidist.bench import collectives, ddp, muon, muon_zero, report, scale, zero
 
 
 def all_benchmarks(args) -> dict:
@@ -30,7 +32,7 @@ def all_benchmarks(args) -> dict:
 
 
 BENCHMARKS = {"collectives": collectives.run, "ddp": ddp.run, "zero": zero.run, "muon": muon.run,
-              "scale": scale.run, "all": all_benchmarks}
+              "muon_zero": muon_zero.cli, "scale": scale.run, "all": all_benchmarks}
 
 
 def main(argv=None) -> None:
@@ -45,7 +47,8 @@ def main(argv=None) -> None:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     result = BENCHMARKS[args.name](args)
     (Path(args.out) / f"{args.name}.json").write_text(json.dumps(result, indent=1))
-    print(f"wrote {args.out}/{args.name}.json and {args.out}/{args.name}.png")
+    png = Path(args.out) / f"{args.name}.png"
+    print(f"wrote {args.out}/{args.name}.json" + (f" and {png}" if png.exists() else ""))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """`python -m minidist.bench muon`, its last table: Muon beside AdamW under ZeRO stages 0-3,
 against AdamW alone at the same stage. Chapter 07 (chapters/07_muon.md), section "Muon
-under ZeRO". Exercised by `python -m minidist.bench muon --quick` (tests/test_bench.py).
+under ZeRO". Exercised by `python -m minidist.bench muon --quick` (tests/test_bench.py);
+this table alone: `python -m minidist.bench muon_zero --world-sizes 2`.
 
 For train_gpt's default CPU model (tiny preset, vocabulary 2048), built as train_gpt
 builds it (minidist.train.make_optimizers and gradient_sync), on N ranks:
@@ -148,3 +149,14 @@ def run(cfg: dict, n: int, per_rank_batch: int, rounds: int, steps: int) -> dict
               f"{row['sent'] / 1e6:8.3f} {row['sent'] / row['sent_formula']:8.3f} "
               f"{row['sent_vs_adamw']:10.3f} {row['step_vs_adamw']:10.3f} {row['opt_share']:9.3f}")
     return table
+
+
+def cli(args) -> dict:
+    """`python -m minidist.bench muon_zero`: the table alone, at each --world-sizes."""
+    from minidist.flags import AUTO
+    cfg = dict(PRESETS["tiny"], vocab_size=2048)  # train_gpt's CPU default model
+    batch, rounds, steps = AUTO["cpu"]["batch_size"], 8, 2
+    if args.quick:
+        cfg.update(n_layer=2, n_embd=64, n_head=2)
+        batch, rounds, steps = 4, 2, 1
+    return {n: run(cfg, n, max(1, batch // n), rounds, steps) for n in args.world_sizes if n > 1}
