@@ -78,8 +78,9 @@ def _wait(work, verb: str, peer: int, name: str, step: str) -> None:
     except RuntimeError as e:
         where = f"{name}: {step}: rank {dist.get_rank()} could not {verb} rank {peer}"
         if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+            # (gloo's own message, chained below, adds only its source file and line)
             raise TimeoutError(f"{where} within {default_timeout_s():.0f}s; did every "
-                               f"rank call the same collective? ({e})") from e
+                               "rank call the same collective?") from e
         raise RuntimeError(f"{where}: {e}") from e  # e.g. the peer died
 
 
