@@ -10,7 +10,6 @@ checks (code_hash, check_notebook, check_stored); this test imports them from it
 
 import base64
 import importlib.util
-import json
 
 import nbformat
 import pytest
@@ -24,15 +23,7 @@ _spec.loader.exec_module(run_notebooks)
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
-def _param(path):
-    # Until every notebook has had its stored run, one with no stored run at all is an
-    # expected failure; one that has a stored hash must match it strictly.
-    stored = "minidist" in json.loads(path.read_text(encoding="utf-8")).get("metadata", {})
-    marks = () if stored else pytest.mark.xfail(strict=False, reason="not yet stored")
-    return pytest.param(path, marks=marks, id=path.name)
-
-
-@pytest.mark.parametrize("nb", [_param(p) for p in NOTEBOOKS])
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_stored_with_outputs_of_its_code(nb):
     problems = run_notebooks.check_stored(nb)
     assert not problems, "\n".join(problems)
