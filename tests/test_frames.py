@@ -147,6 +147,7 @@ SAME_FLOOR = {  # module: what it may import on its own floor
     "memory": {"cost_model", "scaler", "recompute"},
     "plan": {"cost_model", "memory", "recompute"},
     "train_gpt": {"flags"},
+    "bench": {"flags"},  # cpu_default reads AUTO, train_gpt's defaults
     "bench.*": {"flags"},  # AUTO, train_gpt's defaults; never train_gpt itself
 }
 ORDER = list(FLOORS)

@@ -1,5 +1,19 @@
 """Benchmarks as programs: `python -m minidist.bench NAME|all` (minidist/bench/__main__.py).
 Chapter 08 (chapters/08_at_scale.md) gathers them; each file is one benchmark and names
-its own chapter: collectives.py (02), ddp.py (03), zero.py (06), muon.py (07), scale.py
-(08); report.py writes the report of `all`. Importing this package imports none of them.
+its own chapter: collectives.py (02), ddp.py (03), zero.py (06), muon.py and muon_zero.py
+(07), scale.py (08); report.py writes the report of `all`. Importing this package imports
+none of them.
 """
+
+from minidist.flags import AUTO
+from minidist.model import PRESETS
+
+
+def cpu_default(quick: bool) -> tuple[dict, int, int, int]:
+    """(model config, global batch, timing rounds, steps per round) of the benchmarks that
+    time training steps: train_gpt's default CPU model (tiny preset, vocabulary 2048) and
+    batch, 8 rounds of 2 steps; --quick: 2 layers 64 wide, 8 sequences, 2 rounds of 1."""
+    cfg = dict(PRESETS["tiny"], vocab_size=2048)
+    if quick:
+        return {**cfg, "n_layer": 2, "n_embd": 64, "n_head": 2}, 8, 2, 1
+    return cfg, AUTO["cpu"]["batch_size"], 8, 2

@@ -25,9 +25,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from minidist.bench import cpu_default
 from minidist.cost_model import muon_comm_volume
 from minidist.launch import launch
-from minidist.model import GPT, PRESETS, GPTConfig
+from minidist.model import GPT, GPTConfig
 from minidist.muon import split_params
 from minidist.train import forward_backward, gradient_sync, make_optimizers
 
@@ -153,10 +154,5 @@ def run(cfg: dict, n: int, per_rank_batch: int, rounds: int, steps: int) -> dict
 
 def cli(args) -> dict:
     """`python -m minidist.bench muon_zero`: the table alone, at each --world-sizes."""
-    from minidist.flags import AUTO
-    cfg = dict(PRESETS["tiny"], vocab_size=2048)  # train_gpt's CPU default model
-    batch, rounds, steps = AUTO["cpu"]["batch_size"], 8, 2
-    if args.quick:
-        cfg.update(n_layer=2, n_embd=64, n_head=2)
-        batch, rounds, steps = 4, 2, 1
+    cfg, batch, rounds, steps = cpu_default(args.quick)  # train_gpt's CPU default model
     return {n: run(cfg, n, max(1, batch // n), rounds, steps) for n in args.world_sizes if n > 1}

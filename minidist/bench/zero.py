@@ -24,9 +24,9 @@ import torch.distributed as dist
 from minidist.comm import all_reduce, count_bytes
 from minidist.cost_model import model_state_bytes
 from minidist.ddp import DDP
-from minidist.flags import AUTO
+from minidist.bench import cpu_default
 from minidist.launch import launch
-from minidist.model import GPT, PRESETS, GPTConfig, config_num_params
+from minidist.model import GPT, GPTConfig, config_num_params
 from minidist.train import forward_backward
 from minidist.zero import zero_optimizer
 
@@ -98,11 +98,7 @@ def _measure(cfg, per_rank_batch, rounds, steps):
 
 
 def run(args) -> dict:
-    cfg = dict(PRESETS["tiny"], vocab_size=2048)  # train_gpt's CPU default model
-    global_batch, rounds, steps = AUTO["cpu"]["batch_size"], 8, 2
-    if args.quick:
-        cfg.update(n_layer=2, n_embd=64, n_head=2)
-        global_batch, rounds, steps = 8, 2, 1
+    cfg, global_batch, rounds, steps = cpu_default(args.quick)  # train_gpt's CPU default model
     psi = config_num_params(GPTConfig(**cfg))
     result = {"psi": psi, "config": cfg, "runs": {}}
     print(f"default GPT (tiny, vocab 2048): {psi:,} parameters, AdamW, fp32 (K = 8)")
