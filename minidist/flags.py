@@ -27,7 +27,7 @@ from minidist.scaler import LossScaler
 # What "auto" means on each kind of device: a run that fits the machine.
 AUTO = {
     # CPU: Muon for the hidden matrices, 240 steps, reached a lower validation loss than
-    # AdamW's 480 in about half the wall time (chapter 07, "The default run"); on a GPU
+    # AdamW's 480 in 0.62 times the wall time (chapter 07, section 7); on a GPU
     # AdamW stays until the same comparison has been made there
     "cpu": dict(preset="tiny", tokenizer="gpt2-2048", batch_size=32, steps=240, lr=3e-3,
                 warmup_steps=20, eval_interval=80, log_interval=20, optimizer="muon"),
