@@ -3,7 +3,7 @@ Chapter 08 (chapters/08_at_scale.md); minidist/checkpoint.py decides what each r
 and loads, this module how it lies on disk. Exercised by:
 
     python -m minidist.checkpoint out/checkpoints      # each checkpoint: intact, or damaged and where
-    python scripts/bench_checksums.py                  # what the checksums cost
+    python -m minidist.bench checksums                 # what the checksums cost
 
 A checkpoint folder holds meta.json and one shard_RRRRR_of_NNNNN.pt per rank that saved
 it. Format 2 adds checksums: each shard file carries the CRC-32 of every piece's bytes

@@ -78,3 +78,19 @@ def test_zero_benchmark_quick(tmp_path):
         assert abs(held / f - 1) < 0.05, (name, held, f)
     assert set(run2["step_s"]) == set(zero.VARIANTS)
     assert (tmp_path / "zero.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_checksums_benchmark_quick():
+    """The cost of checkpoint checksums, quick: train_gpt's CPU model saved, loaded and
+    verified with and without the CRC-32s, and the real checksum function put back."""
+    import argparse
+
+    from minidist import checkpoint_io
+    from minidist.bench import checksums
+    real = checkpoint_io.checksum
+    result = checksums.run(argparse.Namespace(quick=True))
+    assert checkpoint_io.checksum is real  # put back after the run
+    (row,) = result["rows"]
+    assert row["preset"] == "tiny" and 1 < row["params_M"] < 1.2 and row["MB"] > 0
+    for k in ("save", "load"):
+        assert row[f"{k}_with_s"] > 0 and row[f"{k}_without_s"] > 0

@@ -197,7 +197,7 @@ def _stub(name, fail=False):
 
 @pytest.mark.parametrize("broken", [None, "ddp"])
 def test_all_writes_one_report_and_survives_a_failure(tmp_path, monkeypatch, broken):
-    for name in ("collectives", "ddp", "zero", "muon"):  # scale is real: it is fast
+    for name in ("collectives", "ddp", "zero", "muon", "checksums"):  # scale is real: it is fast
         monkeypatch.setitem(cli.BENCHMARKS, name, _stub(name, fail=name == broken))
     argv = ["all", "--quick", "--out", str(tmp_path)]
     if broken:
@@ -207,7 +207,7 @@ def test_all_writes_one_report_and_survives_a_failure(tmp_path, monkeypatch, bro
     else:
         cli.main(argv)
     report = (tmp_path / "report.md").read_text()
-    for name in ("collectives", "ddp", "zero", "muon", "scale"):
+    for name in ("collectives", "ddp", "zero", "muon", "checksums", "scale"):
         assert f"## {name}" in report
         assert (f"![{name}]({name}.png)" in report) == (name != broken)
         assert (tmp_path / f"{name}.json").exists() == (name != broken)

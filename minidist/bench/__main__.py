@@ -14,6 +14,7 @@ prints a table and writes NAME.json and NAME.png into --out:
                  Muon under ZeRO stages 0-3 vs AdamW at the same stage
     muon_zero    that last table alone
     scale        chapter 08: minidist.cost_model from 8 to 1024 GPUs (no processes)
+    checksums    chapter 08: checkpoint save and load with and without their CRC-32s
     all          every one above, then report.md (minidist/bench/report.py); exit status 1
                  if any of them failed
 """
@@ -24,7 +25,7 @@ import argparse
 import json
 from pathlib import Path
 
-from minidist.bench import collectives, ddp, muon, muon_zero, report, scale, zero
+from minidist.bench import checksums, collectives, ddp, muon, muon_zero, report, scale, zero
 
 
 def all_benchmarks(args) -> dict:
@@ -32,7 +33,8 @@ def all_benchmarks(args) -> dict:
 
 
 BENCHMARKS = {"collectives": collectives.run, "ddp": ddp.run, "zero": zero.run, "muon": muon.run,
-              "muon_zero": muon_zero.cli, "scale": scale.run, "all": all_benchmarks}
+              "muon_zero": muon_zero.cli, "scale": scale.run, "checksums": checksums.run,
+              "all": all_benchmarks}
 
 
 def main(argv=None) -> None:

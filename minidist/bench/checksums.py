@@ -1,16 +1,16 @@
-"""What checkpoint checksums cost: save and load time with and without them, on train_gpt's
-CPU model (the tiny preset) and on the small preset, one process, AdamW state included.
-Chapter 08 (chapters/08_at_scale.md) quotes the figures. Run:
+"""`python -m minidist.bench checksums`: what checkpoint checksums cost. Chapter 08
+(chapters/08_at_scale.md) quotes the figures. Exercised by `python -m minidist.bench
+checksums --quick` (tests/test_bench.py).
 
-    python scripts/bench_checksums.py            # --repeats 5 by default
-
-"Without" replaces minidist.checkpoint_io.checksum by a function that returns 0, so the
-same code path runs minus the CRC-32s. Each figure is the best of the repeats, in CPU
-seconds of this process; the files go to a temporary folder (on most machines the page
-cache): this measures the CPU cost, which is what the checksums add, not the disk's speed.
+Save and load time with and without the CRC-32s, on train_gpt's CPU model (the tiny
+preset, vocabulary 2048) and on the small preset, one process, AdamW state included, best
+of 9 (--quick: the tiny preset, best of 2). "Without" replaces
+minidist.checkpoint_io.checksum by a function that returns 0, so the same code path runs
+minus the CRC-32s. Each figure is in CPU seconds of this process; the files go to a
+temporary folder (on most machines the page cache): this measures the CPU cost, which is
+what the checksums add, not the disk's speed.
 """
 
-import argparse
 import tempfile
 import time
 
@@ -61,20 +61,16 @@ def measure(preset: str, vocab: int, repeats: int) -> dict:
     return row
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--vocab", type=int, default=2048, help="the CPU default: gpt2-2048")
-    a = p.parse_args()
-    print("CPU seconds, best of", a.repeats)
+def run(args) -> dict:
+    presets, repeats = (("tiny",), 2) if args.quick else (("tiny", "small"), 9)
+    print("CPU seconds, best of", repeats)
     print(f"{'preset':8s} {'params':>8s} {'file':>8s} | {'save: with':>10s} {'without':>8s} | "
           f"{'load: with':>10s} {'without':>8s} | {'verify all':>10s}")
-    for preset in ("tiny", "small"):
-        r = measure(preset, a.vocab, a.repeats)
+    rows = []
+    for preset in presets:
+        r = measure(preset, 2048, repeats)  # the CPU default tokenizer, gpt2-2048
+        rows.append(r)
         print(f"{preset:8s} {r['params_M']:7.2f}M {r['MB']:6.1f}MB | {r['save_with_s']:9.3f}s "
               f"{r['save_without_s']:7.3f}s | {r['load_with_s']:9.3f}s {r['load_without_s']:7.3f}s | "
               f"{r['verify_with_s']:9.3f}s")
-
-
-if __name__ == "__main__":
-    main()
+    return {"rows": rows, "repeats": repeats}
