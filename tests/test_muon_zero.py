@@ -40,10 +40,12 @@ def _tune(opts):
     in the averaged gradient into a visible one. AdamW's eps 1e-4: the key projection's bias
     has an exactly zero gradient (softmax ignores a shift shared by all keys), so what
     arrives is rounding noise, which eps 1e-8 would blow up to +-lr differently for each
-    summation order."""
+    summation order. Muon's buckets of 8 kB: a round or two each, so that updates (stage
+    0-2) and gradients to the owners (stages 1-3) travel in several collectives, some
+    started during backward."""
     for o in opts:
         if isinstance(o, Muon):
-            o.ns_dtype = torch.float32
+            o.ns_dtype, o.bucket_mb = torch.float32, 8 / 1024
         for g in o.param_groups:
             if "eps" in g:
                 g["eps"] = 1e-4
