@@ -55,18 +55,19 @@ def test_child_that_dies_without_a_word_is_reported():
         launch(_dies_silently, 2, timeout_s=30)
 
 
-def _skips_collective():
+def _skips_collective(woke):
     if dist.get_rank() == 1:
-        time.sleep(30)  # alive, but never joins
+        time.sleep(120)  # alive, but never joins
+        open(woke, "w").close()  # only reached if nobody stopped this rank
         return None
     dist.all_reduce(torch.ones(4))
 
 
-def test_missing_peer_is_an_error_not_a_hang():
-    t0 = time.monotonic()
+def test_missing_peer_is_an_error_not_a_hang(tmp_path):
+    woke = tmp_path / "woke"
     with pytest.raises(Exception, match=r"rank 0 of 2"):
-        launch(_skips_collective, 2, timeout_s=3)
-    assert time.monotonic() - t0 < 25  # well before the sleeping peer would have woken
+        launch(_skips_collective, 2, str(woke), timeout_s=3)
+    assert not woke.exists()  # the error came before the sleeping peer woke: no waiting on it
 
 
 def test_init_without_torchrun_is_a_world_of_one(python):
@@ -85,10 +86,9 @@ def _spins_forever():
 
 
 def test_deadline_stops_a_run_that_never_ends():
-    t0 = time.monotonic()
     with pytest.raises(LaunchError, match="still running after the deadline of 3s"):
         launch(_spins_forever, 2, deadline_s=3)
-    assert time.monotonic() - t0 < 20
+    # the ranks spin forever: that launch returned at all is the deadline's doing
 
 
 def test_bad_world_size():
@@ -153,10 +153,8 @@ def test_pool_failure_is_reraised_with_rank_and_the_next_call_gets_fresh_process
         with pytest.raises(ValueError, match=r"\[rank 1 of 2\] bad thing") as e:
             pool.run(_fails_on_rank_one)
         assert e.value.rank == 1 and "_fails_on_rank_one" in str(e.value.__cause__)
-        t0 = time.monotonic()
         with pytest.raises(LaunchError, match="still running after the deadline of 3s"):
-            pool.run(_spins_forever, deadline_s=3)
-        assert time.monotonic() - t0 < 20
+            pool.run(_spins_forever, deadline_s=3)  # (it spins forever: returning is the proof)
         assert pool.run(_who_and_sum, 0.5) == [(r, 2, "gloo", 3.5) for r in range(2)]
         assert pool.starts == 3  # one start, and a fresh one after each failure
 
