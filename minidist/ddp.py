@@ -37,47 +37,51 @@ def unique_params(module: nn.Module) -> list[nn.Parameter]:
 
 
 @torch.no_grad()
-def broadcast_module(module: nn.Module, src: int = 0) -> None:
-    """Copy rank `src`'s parameters and buffers to every rank, so all start identical."""
-    if dist.get_world_size() == 1:
+def broadcast_module(module: nn.Module, src: int = 0, group=None) -> None:
+    """Copy rank `src`'s parameters and buffers to every rank (of `group`, where `src` is
+    the rank within the group), so all start identical."""
+    if dist.get_world_size(group) == 1:
         return
+    src = src if group is None else dist.get_global_rank(group, src)
     for t in list(module.parameters()) + list(module.buffers()):
-        dist.broadcast(t.data, src)
+        dist.broadcast(t.data, src, group=group)
 
 
 @torch.no_grad()
-def allreduce_gradients_naive(module: nn.Module) -> None:
+def allreduce_gradients_naive(module: nn.Module, group=None) -> None:
     """Average every gradient across ranks, one all-reduce per parameter.
 
     Correct but slow: one collective per tensor pays the latency many times over, and
     none of it overlaps the backward pass. Chapter 03 fixes both. A parameter with no
     gradient gets zeros, so every rank issues the same collectives in the same order.
+    (`group`: the ranks that hold copies of this module, all of them by default;
+    chapter 10's 2-D mesh passes its data-parallel group.)
     """
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
     if world == 1:
         return
     for p in unique_params(module):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
         p.grad.div_(world)
 
 
 @torch.no_grad()
-def allreduce_gradients_flat(module: nn.Module) -> None:
+def allreduce_gradients_flat(module: nn.Module, group=None) -> None:
     """Average every gradient across ranks with one all-reduce of one flat buffer.
 
     The same arithmetic as the naive version (each element is summed across ranks and
     divided by the world size), but one message instead of one per parameter, so the
     per-message latency is paid once. Backward and communication still do not overlap.
     """
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
     if world == 1:
         return
     params = unique_params(module)
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     flat.div_(world)
     offset = 0
     for p, g in zip(params, grads):
@@ -97,9 +101,9 @@ class NaiveDDP:
     communicate, finish_gradient_synchronization() (once, after the last micro-step's
     backward) all-reduces one parameter at a time. The caller calls the module itself."""
 
-    def __init__(self, module: nn.Module):
-        self.module = module
-        broadcast_module(module)  # every rank starts from rank 0's weights, as DDP does
+    def __init__(self, module: nn.Module, group=None):
+        self.module, self.group = module, group
+        broadcast_module(module, group=group)  # every rank starts from rank 0's weights, as DDP does
 
     @contextmanager
     def no_sync(self):
@@ -107,7 +111,7 @@ class NaiveDDP:
 
     def finish_gradient_synchronization(self) -> None:
         """Average the gradients; call it once per step (a second call would average again)."""
-        allreduce_gradients_naive(self.module)
+        allreduce_gradients_naive(self.module, self.group)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm_(self.module, max_norm)
@@ -118,7 +122,7 @@ class FlatDDP(NaiveDDP):
     flat buffer in finish_gradient_synchronization()."""
 
     def finish_gradient_synchronization(self) -> None:
-        allreduce_gradients_flat(self.module)
+        allreduce_gradients_flat(self.module, self.group)
 
 
 # ---------------------------------------------------------------------------- bucketed
@@ -182,6 +186,9 @@ class DDP(nn.Module):
       of the first forward outside it (as in torch, the forward's context decides).
     - `overlap=False` waits until backward ends before communicating anything (the
       benchmark's baseline for how much communication overlap hides).
+    - `group`: the ranks that hold replicas (all by default; chapter 10's dp x tp mesh
+      passes its data-parallel group, so each tensor-parallel shard is averaged with the
+      same shard on the other replicas).
 
     The all-reduce is torch.distributed's asynchronous one: overlap needs a collective that
     runs in the background while Python continues, which minidist.comm's teaching ring
@@ -189,12 +196,12 @@ class DDP(nn.Module):
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float | None = 25.0,
-                 find_unused_parameters: bool = False, overlap: bool = True):
+                 find_unused_parameters: bool = False, overlap: bool = True, group=None):
         super().__init__()
-        self.module = module
+        self.module, self.group = module, group
         self.find_unused_parameters, self.overlap = find_unused_parameters, overlap
-        self.world = dist.get_world_size()
-        broadcast_module(module)
+        self.world = dist.get_world_size(group)
+        broadcast_module(module, group=group)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("DDP needs at least one parameter with requires_grad=True")
@@ -251,7 +258,8 @@ class DDP(nn.Module):
         while self._next < len(self.buckets) and \
                 len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
             bucket = self.buckets[self._next]
-            bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, async_op=True)
+            bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, group=self.group,
+                                          async_op=True)
             self._next += 1
 
     def finish_gradient_synchronization(self) -> None:

@@ -1,0 +1,102 @@
+"""The device mesh: the world's ranks laid out as a grid, one axis per way of splitting
+the work, and one process group per line of the grid.
+
+Chapter 10 (chapters/10_tensor_parallel.md) introduces it with two axes, data parallel x
+tensor parallel; chapter 11 adds the pipeline axis. Exercised by tests/test_mesh.py and by
+`torchrun --standalone --nproc_per_node=4 minidist/train_gpt.py --tp 2` (dp 2 x tp 2).
+
+A world of dp * tp * pp ranks is a pp x dp x tp grid. Rank r sits at
+
+    pp_rank = r // (dp * tp),   dp_rank = (r // tp) % dp,   tp_rank = r % tp
+
+so the tensor-parallel axis varies fastest: the tp ranks of one group are neighbours
+(on a GPU cluster, the GPUs of one node, joined by the fastest links, because tensor
+parallelism talks inside every layer), the data-parallel replicas of one shard come next,
+and the pipeline stages are farthest apart (they exchange one activation per micro-batch,
+the least traffic, so they may span nodes). Megatron-LM orders its axes the same way.
+
+Each rank belongs to one group per axis: its tp group (the ranks that hold the other
+slices of its layers), its dp group (the ranks that hold the same slice and average its
+gradient) and its pp group (the stages of its pipeline). A collective over an axis is
+a collective over that group: `dist.all_reduce(t, group=mesh.dp_group)`.
+
+    world 8 = pp 2 x dp 2 x tp 2          tp groups: {0,1} {2,3} {4,5} {6,7}
+                                          dp groups: {0,2} {1,3} {4,6} {5,7}
+        stage 0   | 0 1 |  replica 0      pp groups: {0,4} {1,5} {2,6} {3,7}
+                  | 2 3 |  replica 1
+        stage 1   | 4 5 |  replica 0
+                  | 6 7 |  replica 1
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+def coords(rank: int, dp: int, tp: int, pp: int = 1) -> tuple[int, int, int]:
+    """(pp_rank, dp_rank, tp_rank) of global `rank` in a pp x dp x tp grid."""
+    return rank // (dp * tp), (rank // tp) % dp, rank % tp
+
+
+def rank_at(pp_rank: int, dp_rank: int, tp_rank: int, dp: int, tp: int) -> int:
+    """The global rank at grid position (pp_rank, dp_rank, tp_rank)."""
+    return (pp_rank * dp + dp_rank) * tp + tp_rank
+
+
+def axis_groups(dp: int, tp: int, pp: int = 1) -> dict[str, list[list[int]]]:
+    """Every line of the grid, by axis: {"tp": [[ranks], ...], "dp": [...], "pp": [...]}."""
+    cells = [(a, b, c) for a in range(pp) for b in range(dp) for c in range(tp)]
+    lines = {"tp": {}, "dp": {}, "pp": {}}
+    for a, b, c in cells:
+        r = rank_at(a, b, c, dp, tp)
+        lines["tp"].setdefault((a, b), []).append(r)   # same stage, same replica
+        lines["dp"].setdefault((a, c), []).append(r)   # same stage, same slice
+        lines["pp"].setdefault((b, c), []).append(r)   # same replica, same slice
+    return {axis: list(groups.values()) for axis, groups in lines.items()}
+
+
+def check_sizes(world: int, tp: int = 1, pp: int = 1) -> int:
+    """dp = world / (tp * pp), or a ValueError that says what to change."""
+    for name, n in (("--tp", tp), ("--pp", pp)):
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name} must be a whole number >= 1, got {n!r}")
+    if world % (tp * pp):
+        raise ValueError(f"the world of {world} ranks is not a multiple of tp x pp = {tp} x {pp}: "
+                         f"start a multiple of {tp * pp} ranks, or change --tp / --pp")
+    return world // (tp * pp)
+
+
+@dataclass
+class Mesh:
+    """This rank's place in the grid and its three groups."""
+    dp: int
+    tp: int
+    pp: int
+    rank: int
+    dp_rank: int
+    tp_rank: int
+    pp_rank: int
+    dp_group: object
+    tp_group: object
+    pp_group: object
+
+    def describe(self) -> str:
+        return f"dp {self.dp} x tp {self.tp} x pp {self.pp}"
+
+
+def make_mesh(tp: int = 1, pp: int = 1) -> Mesh:
+    """Split the default process group (which must exist) into this rank's dp, tp and pp
+    groups. Every rank must call it, with the same sizes: creating a group is itself a
+    collective, and every rank creates every group, in the same order, keeping its own."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp = check_sizes(world, tp, pp)
+    mine = {}
+    for axis, lines in axis_groups(dp, tp, pp).items():
+        for ranks in lines:
+            g = dist.new_group(ranks)  # collective: every rank makes every group
+            if rank in ranks:
+                mine[axis] = g
+    pp_rank, dp_rank, tp_rank = coords(rank, dp, tp, pp)
+    return Mesh(dp, tp, pp, rank, dp_rank, tp_rank, pp_rank, mine["dp"], mine["tp"], mine["pp"])
