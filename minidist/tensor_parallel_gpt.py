@@ -1,0 +1,308 @@
+"""The GPT split for tensor parallelism (Megatron-LM, Shoeybi et al. 2019), from the pieces
+in minidist/tensor_parallel.py: attention by heads, the MLP by its hidden width, the token
+embedding and the tied head by vocabulary, with a cross entropy that never gathers the
+logits. `parallelize(model, tp_group, sequence_parallel)` returns this rank's shard;
+`shard_spec` says which slice of which full tensor each parameter is. Then the closed
+forms: bytes per step, parameter bytes per rank, activation bytes per layer (ours, exact,
+and Korthikanti et al.'s).
+
+Chapter 10 (chapters/10_tensor_parallel.md). Exercised by `pytest -q tests/test_tensor_parallel.py`
+and `torchrun --standalone --nproc_per_node=4 minidist/train_gpt.py --tp 2` (dp 2 x tp 2).
+
+    rank r of t holds, of each block:        and of the model:
+      c_attn   q, k, v rows of its heads       wte = lm_head   vocabulary rows [V r/t, V (r+1)/t)
+      c_proj   the matching columns            wpe, ln_*       whole (replicated)
+      c_fc     rows r/t of the hidden
+      mlp.c_proj  the matching columns
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minidist.cost_model import SENT_FRACTION
+from minidist.model import GPT
+from minidist.tensor_parallel import (ColumnParallelLinear, LayerNorm, RowParallelLinear, dropout,
+                                      reduce_from_region, reduce_scatter_sequence, shard_param,
+                                      shard_range, tp_rng, used_on_positions)
+
+# ------------------------------------------------------------------ the GPT split
+
+class ParallelAttention(nn.Module):
+    """Attention by heads: rank r computes heads r*H/t .. (r+1)*H/t whole, so no head's
+    softmax spans ranks. The fused c_attn [3C, C] is re-cut: this rank's q rows, k rows and
+    v rows (each a contiguous block of C/t), concatenated q|k|v; c_proj by its columns."""
+
+    def __init__(self, full, group, sp, regather):
+        super().__init__()
+        t, r = dist.get_world_size(group), dist.get_rank(group)
+        C = full.c_attn.in_features
+        q = shard_range(C, r, t)
+        rows = [(q[0] + i * C, q[1] + i * C) for i in range(3)]
+        self.group, self.n_head, self.dropout = group, full.n_head // t, full.dropout
+        self.c_attn = ColumnParallelLinear(full.c_attn, group, rows, sp, regather)
+        self.c_proj = RowParallelLinear(full.c_proj, group, sp)
+
+    def forward(self, x):
+        qkv = self.c_attn(x)  # (B, T, 3C/t): the whole sequence, this rank's heads
+        B, T, C3 = qkv.shape
+        q, k, v = (z.view(B, T, self.n_head, C3 // 3 // self.n_head).transpose(1, 2)
+                   for z in qkv.split(C3 // 3, dim=2))
+        p = self.dropout if self.training else 0.0
+        with tp_rng(self.group, x.device) if p > 0 else contextlib.nullcontext():
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, C3 // 3))
+
+
+class ParallelMLP(nn.Module):
+    """The MLP by its hidden width: c_fc's rows (column-parallel), c_proj's columns (row-
+    parallel). GELU acts elementwise, so it runs on the split hidden with nothing to sync."""
+
+    def __init__(self, full, group, sp, regather):
+        super().__init__()
+        self.c_fc = ColumnParallelLinear(full.c_fc, group, None, sp, regather)
+        self.c_proj = RowParallelLinear(full.c_proj, group, sp)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class ParallelBlock(nn.Module):
+    """model.Block with split attention and MLP; layer norms and residual dropout as
+    before, on the whole sequence (replicated) or on this rank's positions (sequence
+    parallel). `recompute` as Block's (chapter 09's set_activation_checkpointing sets it)."""
+
+    def __init__(self, full, group, sp, regather):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sp
+        self.ln_1 = LayerNorm(full.ln_1, group, sp)
+        self.attn = ParallelAttention(full.attn, group, sp, regather)
+        self.ln_2 = LayerNorm(full.ln_2, group, sp)
+        self.mlp = ParallelMLP(full.mlp, group, sp, regather)
+        self.drop = copy.deepcopy(full.drop)
+        self.recompute = None
+
+    def forward(self, x):
+        if self.recompute is not None:
+            return self.recompute(self._forward, x)
+        return self._forward(x)
+
+    def _forward(self, x):
+        x = x + dropout(self.drop, self.attn(self.ln_1(x)), self.group, self.sequence_parallel)
+        return x + dropout(self.drop, self.mlp(self.ln_2(x)), self.group, self.sequence_parallel)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds the contiguous vocabulary rows [start, stop). An id outside them looks
+    up zeros, so the sum over ranks is the full lookup: all-reduce (or reduce-scatter over
+    the sequence, which also leaves each rank its positions, under sequence parallelism)."""
+
+    def __init__(self, full: nn.Embedding, group, sp):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sp
+        self.start, self.stop = shard_range(full.num_embeddings, dist.get_rank(group),
+                                            dist.get_world_size(group))
+        self.weight = shard_param(full.weight, (0, ((self.start, self.stop),)))
+
+    def forward(self, idx):
+        outside = (idx < self.start) | (idx >= self.stop)
+        x = F.embedding((idx - self.start).masked_fill(outside, 0), self.weight)
+        x = x.masked_fill(outside.unsqueeze(-1), 0.0)
+        return (reduce_scatter_sequence if self.sequence_parallel else reduce_from_region)(x, self.group)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross entropy of logits split over the vocabulary, (N, V/t) on each rank,
+    from three all-reduces of N numbers: the max (for a stable exp), the sum of exps, and
+    the target's logit (from the one rank that holds it). The (N, V) logits never meet.
+    Backward is softmax - onehot on this rank's columns: no communication."""
+
+    @staticmethod
+    def forward(ctx, logits, target, start, group):
+        m = logits.max(dim=-1).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        e = (logits - m.unsqueeze(-1)).exp()
+        sum_e = e.sum(-1)
+        dist.all_reduce(sum_e, group=group)
+        local = target - start
+        mine = (local >= 0) & (local < logits.shape[-1])  # false for -1 (ignored) too
+        local = local.masked_fill(~mine, 0)
+        z_t = (logits.gather(1, local.unsqueeze(1)).squeeze(1) - m).masked_fill(~mine, 0.0)
+        dist.all_reduce(z_t, group=group)
+        softmax = e / sum_e.unsqueeze(-1)
+        ctx.save_for_backward(softmax, local, mine)
+        return sum_e.log() - z_t  # -log softmax[target] = log sum exp(z - m) - (z_t - m)
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, mine = ctx.saved_tensors
+        g = softmax.clone()
+        g[torch.arange(len(local), device=g.device), local] -= mine.to(g.dtype)
+        return g * grad.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, targets, start: int, group, reduction: str = "mean"):
+    """F.cross_entropy(full logits, targets, ignore_index=-1, reduction=...) from this
+    rank's logits[..., start:start + V/t]; the same value on every rank of the group."""
+    logits, targets = logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    loss = _VocabParallelCrossEntropy.apply(logits, targets, start, group)
+    valid = targets != -1
+    loss = loss.masked_fill(~valid, 0.0)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "mean":
+        return loss.sum() / valid.sum()
+    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+
+
+class ParallelGPT(nn.Module):
+    """This rank's shard of a model.GPT: same attribute names (so parameter names are the
+    full model's), same forward signature. `forward` returns (logits, loss) where logits
+    are this rank's vocabulary columns, (B, T, stop - start): gather them over the group
+    for the full ones (sampling does; training never needs to)."""
+
+    def __init__(self, full: GPT, group, sequence_parallel=False, regather=True):
+        super().__init__()
+        sp = sequence_parallel
+        self.config, self.group, self.sequence_parallel = full.config, group, sp
+        self.wte = VocabParallelEmbedding(full.wte, group, sp)
+        self.wpe = copy.deepcopy(full.wpe)
+        self.drop = copy.deepcopy(full.drop)
+        self.blocks = nn.ModuleList(ParallelBlock(b, group, sp, regather) for b in full.blocks)
+        self.ln_f = LayerNorm(full.ln_f, group, sp)
+        self.lm_head = ColumnParallelLinear(full.lm_head, group, [(self.wte.start, self.wte.stop)],
+                                            sp, regather)
+        self.lm_head.weight = self.wte.weight  # tied, as in the full model: one Parameter
+
+    def forward(self, idx, targets=None, reduction: str = "mean"):
+        B, T = idx.shape
+        t, r = dist.get_world_size(self.group), dist.get_rank(self.group)
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}; "
+                             "use shorter sequences or a larger block_size")
+        if self.sequence_parallel and T % t:
+            raise ValueError(f"sequence parallelism splits the sequence over {t} ranks: T={T} "
+                             f"must be divisible by tp={t}; change the sequence length")
+        x = self.wte(idx)  # (B, T, C), or (B, T/t, C): this rank's positions
+        if self.sequence_parallel:  # this rank's rows of the position table
+            lo = r * (T // t)
+            pos = torch.arange(lo, lo + x.shape[1], device=idx.device)
+            x = x + F.embedding(pos, used_on_positions(self.wpe.weight, self.group))
+        else:
+            x = x + self.wpe(torch.arange(T, device=idx.device))
+        x = dropout(self.drop, x, self.group, self.sequence_parallel)
+        for block in self.blocks:
+            x = block(x)
+        # the head is column-parallel over the vocabulary: under sequence parallelism it
+        # gathers the whole sequence first, so each rank's loss covers every position
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits, None
+        return logits, vocab_parallel_cross_entropy(logits, targets, self.wte.start, self.group,
+                                                    reduction)
+
+
+def parallelize(model: GPT, tp_group, sequence_parallel: bool = False, regather: bool = True):
+    """This rank's shard of `model` (a minidist.model.GPT, identical on every rank of
+    tp_group), its weights copied from it. No collective runs here, so a refusal reaches
+    every rank alike. `regather` (sequence parallelism only): keep only this rank's
+    positions of each column-parallel input and gather them again in backward (Megatron's
+    choice), else keep the gathered input (no extra all-gather, more memory)."""
+    cfg, t = model.config, dist.get_world_size(tp_group)
+    if cfg.n_head % t:
+        raise ValueError(f"tensor parallelism splits attention by heads: n_head={cfg.n_head} "
+                         f"must be divisible by tp={t}; change n_head or tp")
+    # then n_embd = n_head * head_dim divides too, and so does the MLP's 4 * n_embd.
+    # The vocabulary need not: ranks then hold V // t or V // t + 1 rows (shard_range).
+    return ParallelGPT(model, tp_group, sequence_parallel, regather)
+
+
+def shard_spec(model: nn.Module) -> dict:
+    """{full-model parameter name: (dim, ((start, stop), ...)) or None}: which slice of the
+    full tensor each parameter of a parallelized model holds (shard_of cuts it); None for
+    a replicated one. c_attn's weight and bias list three ranges: its q, k and v rows."""
+    return {name: getattr(p, "tp_shard", None) for name, p in model.named_parameters()}
+
+
+# ------------------------------------------------------------------ closed forms
+
+def comm_bytes(cfg, B: int, T: int, tp: int, sequence_parallel: bool = False,
+               regather: bool = True, elem: int = 4) -> dict:
+    """Bytes one forward + backward of B sequences of T tokens hands to each collective on
+    each rank (all-reduce: the tensor; all-gather: its output; reduce-scatter: its input),
+    and "sent", what a ring puts on the wire.
+
+    Without sequence parallelism: per layer 4 all-reduces of B T C elements (g forward
+    and f backward, attention and MLP), plus the embedding's g, the head's f, and the
+    loss's 3 all-reduces of B T. With it, each all-reduce becomes an all-gather and a
+    reduce-scatter: the same bytes sent, 2 (t-1)/t of the tensor. Regathering adds one
+    all-gather per column-parallel layer (2 per block, 1 for the head) in backward; the
+    replicated parameters used on positions (used_on_positions) add their gradients,
+    all-reduced in backward, one all-reduce per use."""
+    if tp == 1:
+        return dict(all_reduce=0, all_gather=0, reduce_scatter=0, sent=0.0)
+    N, C, L, b = B * T, cfg.n_embd, cfg.n_layer, int(cfg.bias)
+    act = N * C * elem
+    out = dict(all_reduce=3 * N * 4, all_gather=0, reduce_scatter=0)  # the loss, fp32
+    if not sequence_parallel:
+        out["all_reduce"] += (4 * L + 2) * act
+    else:
+        out["reduce_scatter"] = (4 * L + 2) * act
+        out["all_gather"] = (4 * L + 2 + (2 * L + 1) * regather) * act
+        replicated = cfg.block_size * C + L * (2 * C * (1 + b) + 2 * C * b) + C * (1 + b)
+        out["all_reduce"] += replicated * 4  # fp32 gradients
+    out["sent"] = sum(SENT_FRACTION[k](tp) * v for k, v in out.items())
+    return out
+
+
+def param_bytes(cfg, tp: int, rank: int = 0, elem: int = 4) -> int:
+    """Bytes of one rank's parameters: the split matrices and their split biases / tp,
+    the vocabulary rows of its range, the replicated rest (layer norms, wpe, the
+    row-parallel biases) whole."""
+    C, L, b = cfg.n_embd, cfg.n_layer, int(cfg.bias)
+    start, stop = shard_range(cfg.vocab_size, rank, tp)
+    block = 12 * C * C // tp + 7 * C * b // tp + 2 * C * b + 2 * C * (1 + b)
+    return elem * ((stop - start) * C + cfg.block_size * C + L * block + C * (1 + b))
+
+
+def tp_block_activation_bytes(B: int, T: int, d: int, H: int, tp: int = 1,
+                           sequence_parallel: bool = False, regather: bool = True) -> int:
+    """Bytes one ParallelBlock saves for backward, fp32, dropout off (chapter 09's count,
+    minidist.memory.block_activation_bytes, is the tp = 1 case: B T (64 d + 4 H + 16)).
+
+    Per token: the block's input and the residual after attention (4d each) with their
+    LayerNorms' mean and 1/std (8 each), and the two LayerNorm outputs (4d each), are
+    replicated: 16 d + 16. Split t ways: q k v (12 d), the attention output (4 d), the
+    MLP hidden and its GELU (16 d each), SDPA's logsumexp (4 per head): (48 d + 4 H) / t.
+    Sequence parallelism splits the replicated part too, over positions: all / t; unless
+    the gathered inputs of the two column-parallel layers are kept (regather=False):
+    then 2 x 4 d of the whole sequence instead of 2 x 4 d / t."""
+    if not sequence_parallel:
+        return B * T * (16 * d + 16) + B * T * (48 * d + 4 * H) // tp
+    out = B * T * (64 * d + 4 * H + 16) // tp
+    return out if regather else out + 8 * B * T * d - 8 * B * T * d // tp
+
+
+def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1,
+                                 sequence_parallel: bool = False) -> float:
+    """Korthikanti et al. (2022), bytes per layer, 16-bit activations, 1-byte dropout masks:
+    s b h (34 + 5 a s / h); tensor-parallel s b h (10 + 24/t + 5 a s / (h t)); with
+    sequence parallelism s b h / t (34 + 5 a s / h).
+
+    Ours (tp_block_activation_bytes) against it: without dropout the two residual masks go
+    (34 -> 32, 10 -> 8); with SDPA the a s^2 scores and their mask are never stored (the
+    5 a s / h term becomes SDPA's logsumexp, 4 a bytes per token in fp32); fp32 doubles each element
+    (32 -> 64, 8 -> 16, 24 -> 48); and we count LayerNorm's statistics (16 per token). So
+    ours / theirs -> 64 / 34 (~1.9) for wide layers and short sequences, and falls far
+    below 1 for long sequences, where the paper's a s^2 term dominates."""
+    if sequence_parallel:
+        return s * b * h / t * (34 + 5 * a * s / h)
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
