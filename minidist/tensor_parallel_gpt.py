@@ -165,9 +165,12 @@ def vocab_parallel_cross_entropy(logits, targets, start: int, group, reduction: 
 
 class ParallelGPT(nn.Module):
     """This rank's shard of a model.GPT: same attribute names (so parameter names are the
-    full model's), same forward signature. `forward` returns (logits, loss) where logits
-    are this rank's vocabulary columns, (B, T, stop - start): gather them over the group
-    for the full ones (sampling does; training never needs to)."""
+    full model's), same forward signature. With targets, `forward` returns (logits, loss)
+    where logits are this rank's vocabulary columns, (B, T, stop - start): training never
+    gathers them. Without targets (sampling) it returns the full vocabulary's logits,
+    gathered over the group, so `generate` is the full model's own loop."""
+
+    generate = GPT.generate  # every rank of the group runs it, in step, drawing the same tokens
 
     def __init__(self, full: GPT, group, sequence_parallel=False, regather=True):
         super().__init__()
@@ -183,6 +186,12 @@ class ParallelGPT(nn.Module):
         self.lm_head.weight = self.wte.weight  # tied, as in the full model: one Parameter
 
     def forward(self, idx, targets=None, reduction: str = "mean"):
+        if targets is None and self.sequence_parallel:
+            # sampling grows the sequence a token at a time, so it would rarely split
+            # evenly: the same weights in the plain layout (the same arithmetic; without
+            # gradients what sequence parallelism saves does not exist)
+            with _layout(self, sequence_parallel=False):
+                return self.forward(idx)
         B, T = idx.shape
         t, r = dist.get_world_size(self.group), dist.get_rank(self.group)
         if T > self.config.block_size:
@@ -205,9 +214,39 @@ class ParallelGPT(nn.Module):
         # gathers the whole sequence first, so each rank's loss covers every position
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
-            return logits, None
+            return gather_vocabulary(logits.detach(), self.config.vocab_size, self.group), None
         return logits, vocab_parallel_cross_entropy(logits, targets, self.wte.start, self.group,
                                                     reduction)
+
+
+@contextlib.contextmanager
+def _layout(model: nn.Module, sequence_parallel: bool):
+    """Every module of `model` in the given layout for a while (the flag each one reads)."""
+    mods = [m for m in model.modules() if hasattr(m, "sequence_parallel")]
+    old = [m.sequence_parallel for m in mods]
+    for m in mods:
+        m.sequence_parallel = sequence_parallel
+    try:
+        yield
+    finally:
+        for m, o in zip(mods, old):
+            m.sequence_parallel = o
+
+
+@torch.no_grad()
+def gather_vocabulary(local: torch.Tensor, vocab_size: int, group) -> torch.Tensor:
+    """(..., V_r) logits of each rank's vocabulary range -> (..., V), for sampling only (no
+    gradient). The ranges may differ by one row (shard_range puts the extra rows first):
+    each rank pads its part to the widest, one all-gather, then each part is cut back."""
+    t = dist.get_world_size(group)
+    if t == 1:
+        return local
+    ranges = [shard_range(vocab_size, r, t) for r in range(t)]
+    width = max(b - a for a, b in ranges)
+    padded = F.pad(local, (0, width - local.shape[-1])).contiguous()
+    parts = [torch.empty_like(padded) for _ in range(t)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p[..., :b - a] for p, (a, b) in zip(parts, ranges)], dim=-1)
 
 
 def parallelize(model: GPT, tp_group, sequence_parallel: bool = False, regather: bool = True):

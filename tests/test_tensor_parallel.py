@@ -244,15 +244,25 @@ def _refusals():
     for cfg, sp, seq in ((EVEN, False, T), (SIX, False, T), (SIX, True, T - 1)):
         try:
             m = tpg.parallelize(_full(cfg), dist.group.WORLD, sp)
-            m(torch.zeros(B, seq, dtype=torch.long))
+            z = torch.zeros(B, seq, dtype=torch.long)
+            m(z, z)  # training: (sampling, without targets, uses the plain layout)
             msgs.append(None)
         except ValueError as e:
             msgs.append(str(e))
     return msgs
 
 
+def _sampled(sp):
+    """Tokens the shard samples (the full vocabulary's logits gathered over the group)."""
+    m = tpg.parallelize(_full(UNEVEN), dist.group.WORLD, sp).eval()
+    g = torch.Generator().manual_seed(5)
+    return m.generate(torch.zeros(1, 2, dtype=torch.long), T - 2, temperature=0.8, top_k=7, generator=g)
+
+
 def _on_ranks(cases, extras: bool):
     out = {"cases": [_shard_step(*c) for c in cases], "refusals": _refusals()}
+    if extras:
+        out["sampled"] = [_sampled(sp) for sp in (False, True)]
     if extras:
         out.update(bytes=_bytes_and_memory(), torch_tp=_against_torch_tp(), rng=_dropout_masks())
     return out
@@ -408,3 +418,15 @@ def test_recomputation_replays_the_per_rank_masks(ranks):
         for r in ranks[t]:
             plain, recomputed = r["rng"][3]
             assert all(torch.equal(a, b) for a, b in zip(plain, recomputed))
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_sampling_draws_the_full_models_tokens(ranks, t):
+    # the full model's generate, same seed: the gathered logits are the full model's, so
+    # the same tokens (top-k keeps small rounding from changing a draw)
+    full = _full(UNEVEN).eval()
+    want = full.generate(torch.zeros(1, 2, dtype=torch.long), T - 2, temperature=0.8, top_k=7,
+                         generator=torch.Generator().manual_seed(5))
+    for r in ranks[t]:
+        for got in r["sampled"]:
+            assert torch.equal(got, want)
