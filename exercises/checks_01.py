@@ -50,7 +50,7 @@ def _count_small(impl):
         assert got == want, f"{cfg}: got {got}, GPT(cfg) has {want} distinct parameters"
 
 
-@check("01", points=1, name="count_params == GPT(cfg) for every preset, tiny to gpt2-xl")
+@check("01", points=1, name="count_params == GPT(cfg) for every preset, tiny to gpt3-6.7b")
 def _count_presets(impl):
     for preset, kw in PRESETS.items():
         cfg = GPTConfig(**kw)

@@ -25,23 +25,36 @@ leaves the new checkpoint whole or no trace of it. Several nodes need a shared f
 
 Exact resume also needs the step (the data and the learning-rate schedule are functions
 of it), the loss scaler, each rank's RNG state, and the caller's `extra` (train_gpt: its
-settings and its log rows). Checksums of every piece and of meta.json, the files' format
-and reading them: minidist/checkpoint_io.py.
+settings and its log rows). Checksums of every piece and of meta.json, the identity that
+binds each file to its checkpoint, the schema meta.json must fit, the files' format and
+reading them: minidist/checkpoint_io.py.
+
+Only good states are kept. A run that diverged holds NaN or inf weights (or optimizer
+state, or loss scale); saved, that checkpoint would be the newest, and rotation would
+delete the good ones before it. So save() first checks that everything it would write is
+finite (one fused reduction per group of tensors, agreed across ranks in one all-reduce)
+and otherwise raises NonFiniteCheckpointError, writing nothing and deleting nothing.
+Rotation (keep=N) deletes only folders save() wrote, never the one just saved.
+
+What a resumed run may change, it changes: the loss scaler's settings (growth interval,
+hysteresis, ...) are the resuming run's, its state (scale, counters) the checkpoint's.
 """
 
 from __future__ import annotations
 
-import errno
+import math
 import os
 import shutil
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
-from minidist.checkpoint_io import (CheckpointError, Reader, atomic_write, fsync, latest,  # noqa: F401
-                                    list_checkpoints, main, read_meta, shard_checksums,
-                                    shard_name, verify, write_meta)
+from minidist.checkpoint_io import (FORMAT, JUNK, MARKER, CheckpointError,  # noqa: F401 (also ours)
+                                    CheckpointPastEndError, Reader, atomic_write, check_step, fsync,
+                                    latest, list_checkpoints, main, prune, read_meta, shard_checksums,
+                                    shard_name, verify, why_failed, write_meta, written_by_minidist)
 from minidist.dist import barrier_or_failure, rank_and_world
 from minidist.faults import inject_fault
 
@@ -110,56 +123,110 @@ def _names(model) -> dict:
 
 # ---- saving ------------------------------------------------------------------------
 
-def _why(e: OSError, where: Path) -> str:
-    """What failed, and what to change: a full disk is not a read-only folder."""
-    hint = {errno.ENOSPC: f"free space in {where} or choose another folder",
-            errno.EDQUOT: f"free space (disk quota) in {where} or choose another folder",
-            errno.EACCES: f"{where} is not writable: fix its permissions or choose another folder",
-            errno.EPERM: f"{where} is not writable: fix its permissions or choose another folder",
-            errno.EROFS: f"{where} is on a read-only file system: choose another folder"}
-    return f"{e}; {hint.get(e.errno, f'check that {where} exists and can be written')}"
+class NonFiniteCheckpointError(FloatingPointError):
+    """save() refused: some weight, optimizer state or the loss scale is inf or NaN (the run
+    has diverged). Nothing was written or deleted. `step`: the step it was asked to save;
+    `what`: the groups that were not finite ("model", "optimizer 0", "loss scale")."""
+
+    def __init__(self, message: str, step: int, what: list[str]):
+        super().__init__(message)
+        self.step, self.what = step, what
+
+
+def _finite(tensors: list) -> torch.Tensor:
+    """Whether every element of every tensor is finite (a bool tensor): one fused pass per
+    device over the group, the largest |x| of each tensor (inf and NaN stay so)."""
+    ts, out = [t for t in tensors if t.is_floating_point() and t.numel()], torch.tensor(True)
+    for device in {t.device for t in ts}:
+        largest = torch._foreach_norm([t for t in ts if t.device == device], math.inf)
+        out &= torch.isfinite(torch.stack([n.float() for n in largest])).all().cpu()
+    return out
+
+
+def _comm_device() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
+
+
+def _agree(rank: int, world: int, finite: list[torch.Tensor]) -> tuple[str, list[bool]]:
+    """One all-reduce (MAX) that does two things: every rank learns rank 0's random id for
+    this checkpoint (the others contribute 0), and whether any rank found a group not
+    finite. Returns (id as 32 hex digits, per group: not finite somewhere)."""
+    ids = [int.from_bytes(os.urandom(8), "big") >> 1 for _ in range(2)] if rank == 0 else [0, 0]
+    flags = torch.tensor(ids + [0] * len(finite), dtype=torch.int64)
+    flags[2:] = (~torch.stack(finite)).long()
+    if world > 1:
+        flags = flags.to(_comm_device())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        flags = flags.cpu()
+    hi, lo, *bad = flags.tolist()
+    return f"{hi:016x}{lo:016x}", [bool(b) for b in bad]
 
 
 def save(root, step: int, model, optimizers, scaler=None, extra: dict | None = None,
          keep: int = 2) -> Path:
-    """Write `root`/step_<step>/ (a collective: every rank calls it); keep the newest `keep`."""
+    """Write `root`/step_<step>/ (a collective: every rank calls it); keep the newest `keep`
+    (0: delete none). Raises NonFiniteCheckpointError, on every rank and before anything is
+    written, if a weight, an optimizer state or the loss scale is inf or NaN."""
     rank, world, root = *rank_and_world(), Path(root)
     final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
-    error = None
-    if rank == 0:
-        try:
-            for junk in root.glob(".*_step_*"):  # left by a save that was killed
-                shutil.rmtree(junk, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        except OSError as e:  # every rank must hear of it, not wait at the barrier
-            error = f"rank 0 could not create {tmp}: {_why(e, root)}"
-    if barrier_or_failure(error):
-        raise RuntimeError(f"checkpoint {final} was not saved ({error or 'rank 0 failed'}); "
-                           "the previous ones are untouched")
+    # what this rank writes, still where it lives (GPU or CPU): (key, shape, start, tensor)
     names = _names(model)
-    pieces, scalars = [], {}
-    for s in _model_slots(model, optimizers, names, rank, world):
-        if s.write:
-            pieces.append((s.key, s.shape, s.start, s.tensor.detach().cpu().clone()))
+    pieces = [(s.key, s.shape, s.start, s.tensor.detach())
+              for s in _model_slots(model, optimizers, names, rank, world) if s.write]
+    scalars = {}
     for i, opt in enumerate(optimizers):
         for name, shape, start, holder, cut, write in _holders(opt, names, rank, world):
             for k, v in opt.state.get(holder, {}).items():
                 key = f"optim{i}/{name}/{k}"
-                if torch.is_tensor(v) and v.dim() > 0:
-                    if not write:
-                        continue
-                    flat = v.view(-1) if cut is None else v.view(-1)[cut[0]:cut[1]]
-                    pieces.append((key, shape, start, flat.detach().cpu().clone()))  # clone: only these bytes
-                else:
-                    scalars[key] = v.detach().cpu().clone() if torch.is_tensor(v) else v
+                if not (torch.is_tensor(v) and v.dim() > 0):
+                    scalars[key] = v.detach() if torch.is_tensor(v) else v
+                elif write:
+                    flat = v.detach().view(-1)
+                    pieces.append((key, shape, start, flat if cut is None else flat[cut[0]:cut[1]]))
+    scaler_state = scaler.state_dict() if scaler is not None else {}
+    groups = {"model": [], **{f"optimizer {i}": [] for i in range(len(optimizers))},
+              "loss scale": [torch.tensor([float(scaler_state.get("scale", 1.0))])]}
+    numbers = [(k, torch.as_tensor(v).reshape(-1)) for k, v in [(k, t) for k, *_, t in pieces]
+               + list(scalars.items()) if torch.is_tensor(v) or type(v) is float]
+    for key, v in numbers:  # "optim3/..." is optimizer 3's
+        groups["model" if key.startswith("model/") else f"optimizer {key[5:key.index('/')]}"].append(v)
+    # nothing non-finite is ever saved: found before any file changes, the same on every rank
+    ckpt_id, bad = _agree(rank, world, [_finite(ts) for ts in groups.values()])
+    if any(bad):
+        what = [g for g, b in zip(groups, bad) if b]
+        mine = [k for k, v in numbers if not bool(torch.isfinite(v).all())]  # (the slow way, now)
+        raise NonFiniteCheckpointError(
+            f"checkpoint {final} was not saved: {', '.join(what)} not finite (inf or NaN)"
+            + (f", e.g. {', '.join(mine[:3])} on rank {rank}" if mine else "")
+            + ": the run has diverged; the previous checkpoints are untouched", step, what)
+    error = None
+    if rank == 0:
+        try:
+            for junk in root.glob(".*_step_*") if root.is_dir() else []:
+                if JUNK.fullmatch(junk.name):
+                    shutil.rmtree(junk, ignore_errors=True)
+            if final.exists() and not written_by_minidist(final):
+                error = (f"{final} exists and is not a checkpoint minidist wrote: move it "
+                         "away, or choose another folder")
+            else:
+                tmp.mkdir(parents=True)
+        except OSError as e:  # every rank must hear of it, not wait at the barrier
+            error = f"rank 0 could not create {tmp}: {why_failed(e, root)}"
+    if barrier_or_failure(error):
+        raise RuntimeError(f"checkpoint {final} was not saved ({error or 'rank 0 failed'}); "
+                           "the previous ones are untouched")
     rng = {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()}
                                             if torch.cuda.is_initialized() else {})}
-    shard = {"pieces": pieces, "scalars": scalars, "rng": rng, "rank": rank}
-    shard["checksums"] = shard_checksums(shard)  # verified at every load
+    # clone: only these bytes (torch.save writes a view's whole storage)
+    shard = {"pieces": [(k, shape, start, t.cpu().clone()) for k, shape, start, t in pieces],
+             "scalars": {k: v.cpu().clone() if torch.is_tensor(v) else v for k, v in scalars.items()},
+             "rng": rng, "rank": rank,
+             "identity": {"id": ckpt_id, "step": step, "rank": rank, "world_size": world}}
+    shard["checksums"] = shard_checksums(shard)  # verified at every load; the seal binds it here
     try:
         atomic_write(tmp / shard_name(rank, world), lambda f: torch.save(shard, f))
     except OSError as e:  # a full disk, a lost mount, no shared folder: all must hear of it
-        error = f"rank {rank}: {_why(e, root)}"
+        error = f"rank {rank}: {why_failed(e, root)}"
     except Exception as e:
         error = f"rank {rank}: {type(e).__name__}: {e}"
     inject_fault("save", step, rank)
@@ -168,34 +235,56 @@ def save(root, step: int, model, optimizers, scaler=None, extra: dict | None = N
         raise RuntimeError(f"checkpoint {final} was not saved ({failed}); the previous ones are "
                            "untouched" + ("" if error else "; that rank's error says why"))
     if rank == 0:
-        meta = {"format": 2, "step": step, "world_size": world,
-                "optimizers": [{"param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                                 for g in o.param_groups]} for o in optimizers],
-                "scaler": scaler.state_dict() if scaler is not None else {},
-                "extra": extra or {}}
-        write_meta(tmp / "meta.json", meta)  # strict JSON, with its own checksum
-        if final.exists():  # saving the same step again: move the old one out of the way
-            old = root / f".old_step_{step:08d}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            shutil.rmtree(old)
-        os.replace(tmp, final)  # the moment the checkpoint exists, whole
-        fsync(root)  # the rename itself survives a power cut, not only a killed process
-        for stale in list_checkpoints(root)[:-keep] if keep > 0 else []:
-            shutil.rmtree(stale, ignore_errors=True)
-    barrier_or_failure()
+        try:
+            meta = {"kind": MARKER, "format": FORMAT, "id": ckpt_id, "step": step, "world_size": world,
+                    "optimizers": [{"param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                                     for g in o.param_groups]} for o in optimizers],
+                    "scaler": scaler_state, "extra": extra or {}}
+            write_meta(tmp / "meta.json", meta)  # strict JSON, with its own checksum
+            if final.exists():  # saving the same step again: move the old one out of the way
+                old = root / f".old_step_{step:08d}"
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+                shutil.rmtree(old)
+            os.replace(tmp, final)  # the moment the checkpoint exists, whole
+            fsync(root)  # the rename itself survives a power cut, not only a killed process
+            prune(root, keep, final)
+        except OSError as e:
+            error = f"rank 0: {why_failed(e, root)}"
+        except Exception as e:  # (a meta.json that would not read back: CheckpointError)
+            error = f"rank 0: {type(e).__name__}: {e}"
+    failed = barrier_or_failure(error)
+    if failed:
+        raise RuntimeError(f"checkpoint {final} was not saved ({failed}); the previous ones are "
+                           "untouched" + ("" if error else "; that rank's error says why"))
     return final
 
 
 # ---- loading ------------------------------------------------------------------------
 
-def load(path, model, optimizers, scaler=None) -> dict:
+# the loss scaler's settings: the resuming run's own (flags documented as changeable on
+# resume); the rest of its state (the scale, its counters) comes from the checkpoint
+SCALER_SETTINGS = ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale")
+
+
+def _scaler_state(saved: dict, now: dict) -> dict:
+    state = {**saved, **{k: now[k] for k in SCALER_SETTINGS if k in now}}
+    if "growth_tracker" in state and "growth_interval" in state:  # a shorter interval: grow next time
+        state["growth_tracker"] = min(state["growth_tracker"], state["growth_interval"] - 1)
+    return state
+
+
+def load(path, model, optimizers, scaler=None, total_steps: int | None = None) -> dict:
     """Fill `model`, `optimizers` (same kinds, same order) and `scaler` from checkpoint
     `path`, saved on any world size at any ZeRO stage; every mismatch is found before
-    anything changes. Returns the meta; meta["rng_restored"]: the world size is unchanged,
-    so each rank got its RNG state back (otherwise the caller decides)."""
+    anything changes (a damaged checkpoint: CheckpointError; a step past `total_steps`,
+    if given: CheckpointPastEndError). The scaler keeps its own settings and takes the
+    saved scale and counters. Returns the meta; meta["rng_restored"]: the world size is
+    unchanged, so each rank got its RNG state back (otherwise the caller decides)."""
     rank, world = rank_and_world()
     r = Reader(path)
+    if total_steps is not None:
+        check_step(r.meta, total_steps)
     names = _names(model)
     fills, problems = [], []  # (destination 1-D tensor, key, start), checked first
     for s in _model_slots(model, optimizers, names, rank, world):
@@ -210,6 +299,9 @@ def load(path, model, optimizers, scaler=None) -> dict:
                  for k in r.shapes if k.startswith("model/") and k not in wanted]
     if len(r.meta["optimizers"]) != len(optimizers):
         problems.append(f"{len(r.meta['optimizers'])} optimizers saved, {len(optimizers)} here")
+    problems += [f"optimizer {i}: {len(saved['param_groups'])} param groups saved, {len(o.param_groups)} here"
+                 for i, (o, saved) in enumerate(zip(optimizers, r.meta["optimizers"]))
+                 if len(saved["param_groups"]) != len(o.param_groups)]
     states = []  # (optimizer, holder, state key, value or (key, start, cut))
     for i, opt in enumerate(optimizers):
         for name, shape, start, holder, cut, _ in _holders(opt, names, rank, world):
@@ -219,7 +311,7 @@ def load(path, model, optimizers, scaler=None) -> dict:
             for key in [k for k in r.scalars if k.startswith(prefix)]:
                 states.append((opt, holder, key[len(prefix):], r.scalars[key]))
     if problems:
-        saved = r.meta.get("extra", {}).get("config")
+        saved = r.meta["extra"].get("config")
         raise ValueError(f"checkpoint {path} does not fit this model/optimizer:\n  "
                          + "\n  ".join(problems[:10]) + (f"\n  (saved model config: {saved})" if saved else "")
                          + "\nresume with the same model and optimizer flags as the run that saved it")
@@ -242,7 +334,7 @@ def load(path, model, optimizers, scaler=None) -> dict:
             for g, sg in zip(opt.param_groups, saved["param_groups"]):
                 g.update({k: tuple(v) if isinstance(v, list) else v for k, v in sg.items()})
     if scaler is not None and scaler.enabled and r.meta["scaler"]:
-        scaler.load_state_dict(r.meta["scaler"])
+        scaler.load_state_dict(_scaler_state(r.meta["scaler"], scaler.state_dict()))
     meta = dict(r.meta)
     meta["rng_restored"] = r.meta["world_size"] == world and rank in r.rng
     if meta["rng_restored"]:

@@ -1,36 +1,50 @@
-"""Checkpoint files: the format on disk, checksums, reading, and finding the damage.
-Chapter 08 (chapters/08_at_scale.md); minidist/checkpoint.py decides what each rank saves
-and loads, this module how it lies on disk. Exercised by:
+"""Checkpoint files: the format on disk, checksums, the schema, reading, and finding the
+damage. Chapter 08 (chapters/08_at_scale.md); minidist/checkpoint.py decides what each
+rank saves and loads, this module how it lies on disk. Exercised by:
 
     python -m minidist.checkpoint out/checkpoints      # each checkpoint: intact, or damaged and where
     python -m minidist.bench checksums                 # what the checksums cost
 
-A checkpoint folder holds meta.json and one shard_RRRRR_of_NNNNN.pt per rank that saved
-it. Format 2 adds checksums: each shard file carries the CRC-32 of every piece's bytes
-(and of its scalars and RNG states), and meta.json the CRC-32 of its own content. A
-disk that flips bits, a copy cut short, a hand edit of "step": each would load as
-garbage and train on; with the checksums it is an error that names the folder, the file
-and the tensor. CRC-32 (zlib.crc32, over the tensor's bytes through numpy) because it is
-cheap, a few GB/s on one core, about as fast as Adler-32, and better at what a disk does:
-it catches every burst of up to 32 flipped bits. It guards against accidents, not an
-adversary (who could recompute it); that would need a cryptographic hash, which is slower.
-Format 1 (no checksums) still loads, unverified.
+A checkpoint folder, step_SSSSSSSS (the step, 8 digits or more), holds meta.json and one
+shard_RRRRR_of_NNNNN.pt per rank that saved it.
+
+Checksums (format 2 on). Each shard file carries the CRC-32 of every piece's bytes (and
+of its scalars and RNG states), and meta.json the CRC-32 of its own content. A disk that
+flips bits, a copy cut short, a hand edit of "step": each would load as garbage and train
+on; with the checksums it is an error that names the folder, the file and the tensor.
+CRC-32 (zlib.crc32, over the tensor's bytes through numpy) because it is cheap, a few GB/s
+on one core, about as fast as Adler-32, and better at what a disk does: it catches every
+burst of up to 32 flipped bits. It guards against accidents, not an adversary (who could
+recompute it); that would need a cryptographic hash, which is slower.
+
+Trusted only when whole: a checkpoint is read only after its meta.json fits the schema,
+every shard file is there, fits its own schema and is bound to this checkpoint (its
+identity, format 3), and its pieces cover each tensor exactly once; what that means, and
+why: minidist/checkpoint_schema.py. Anything else is damaged, and said so.
+
+Rotation (prune) deletes only what save() wrote: folders named exactly step_SSSSSSSS with
+minidist's marker in their meta.json, never the checkpoint just saved.
 """
 
 from __future__ import annotations
 
+import errno
+import itertools
 import json
 import math
 import os
+import re
+import shutil
 import sys
 import zlib
 from pathlib import Path
 
 import torch
 
+from minidist.checkpoint_schema import (FORMAT, MARKER, MAX_META_BYTES, SHARD_NAME,  # noqa: F401
+                                        checkpoint_step, coverage_problem, meta_problem, seal,
+                                        shard_name, shard_problem, shorten, written_by_minidist)
 from minidist.metrics import to_json
-
-FORMAT = 2
 
 
 class CheckpointError(ValueError):
@@ -45,14 +59,24 @@ def checksum(value) -> int:
 
 
 def shard_checksums(shard: dict) -> dict:
-    """What save() stores beside a shard's contents: a checksum for everything in it."""
-    return {"pieces": [checksum(t) for *_, t in shard["pieces"]],
+    """What save() stores beside a shard's contents: a checksum for everything in it, and
+    (format 3: the shard has an "identity") the seal that ties it to its checkpoint."""
+    sums = {"pieces": [checksum(t) for *_, t in shard["pieces"]],
             "scalars": {k: checksum(v) for k, v in shard["scalars"].items()},
             "rng": {k: checksum(v) for k, v in shard["rng"].items()}}
+    if "identity" in shard:
+        sums["seal"] = seal(shard["identity"], sums)
+    return sums
 
 
-def shard_name(rank: int, world: int) -> str:
-    return f"shard_{rank:05d}_of_{world:05d}.pt"
+def why_failed(e: OSError, where: Path) -> str:
+    """What failed, and what to change: a full disk is not a read-only folder."""
+    hint = {errno.ENOSPC: f"free space in {where} or choose another folder",
+            errno.EDQUOT: f"free space (disk quota) in {where} or choose another folder",
+            errno.EACCES: f"{where} is not writable: fix its permissions or choose another folder",
+            errno.EPERM: f"{where} is not writable: fix its permissions or choose another folder",
+            errno.EROFS: f"{where} is on a read-only file system: choose another folder"}
+    return f"{e}; {hint.get(e.errno, f'check that {where} exists and can be written')}"
 
 
 # ---- writing -----------------------------------------------------------------------
@@ -79,18 +103,31 @@ def _meta_text(meta: dict) -> str:
 
 
 def write_meta(path: Path, meta: dict) -> None:
-    """meta.json with the checksum of its own content (strict JSON: NaN becomes null)."""
+    """meta.json with the checksum of its own content (strict JSON: NaN becomes null).
+    Raises CheckpointError if what it would write does not fit the schema, so that no
+    checkpoint is written that read_meta would call damaged."""
     meta = json.loads(_meta_text(meta))  # what a reader will see: lists, not tuples
     meta["checksum"] = zlib.crc32(_meta_text(meta).encode())
-    atomic_write(path, lambda f: Path(f).write_text(to_json(meta, indent=1)))
+    text = to_json(meta, indent=1)
+    problem = meta_problem(meta) or (len(text) > MAX_META_BYTES and
+                                     f"{len(text):,} bytes, more than the {MAX_META_BYTES:,} a reader accepts")
+    if problem:
+        raise CheckpointError(f"{path}: not written, it would not read back ({problem})")
+    atomic_write(path, lambda f: Path(f).write_text(text))
 
 
 # ---- finding and reading ------------------------------------------------------------
 
 def list_checkpoints(root) -> list[Path]:
-    """The complete checkpoints under `root`, oldest first (hidden, unfinished ones are
-    not listed: a folder named step_* exists only once it is whole)."""
-    return sorted(p for p in Path(root).glob("step_*") if (p / "meta.json").is_file())
+    """The complete checkpoints under `root`, oldest first: the folders named exactly as
+    save() names them (step_00000100, not step_00000100.good) that hold a meta.json.
+    Hidden, unfinished ones are not listed: a folder step_* exists only once it is whole."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(checkpoint_step(p), p) for p in root.iterdir()]
+    return [p for s, p in sorted((s, p) for s, p in found if s is not None)
+            if (p / "meta.json").is_file()]
 
 
 def latest(root) -> Path | None:
@@ -98,48 +135,93 @@ def latest(root) -> Path | None:
     return found[-1] if found else None
 
 
+JUNK = re.compile(r"\.(tmp|old)_step_\d{8,}")  # what a save that was killed leaves
+
+
+def prune(root, keep: int, final: Path | None = None) -> None:
+    """Keep the newest `keep` checkpoints under `root` (0: all), and always `final` (the one
+    just saved, finite and whole); delete the older ones, but only folders save() wrote:
+    a user's step_00000002.good, or a step_* folder without minidist's marker, stays."""
+    if keep <= 0:
+        return
+    ours = [p for p in list_checkpoints(root) if written_by_minidist(p)]
+    for stale in ours[:-keep]:
+        if stale != final:
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _no_constants(name):
+    raise ValueError(f"{name} is not strict JSON")
+
+
 def read_meta(path) -> dict:
-    """meta.json, checked against its checksum (format 2)."""
+    """meta.json, checked against the schema and its checksum (format 2 on). Raises
+    FileNotFoundError when there is none, CheckpointError when it is not a checkpoint's."""
     path = Path(path)
-    if not (path / "meta.json").is_file():
+    f = path / "meta.json"
+    if not f.is_file():
         raise FileNotFoundError(f"{path} is not a complete minidist checkpoint (no meta.json)")
     try:
-        meta = json.loads((path / "meta.json").read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path / 'meta.json'}: not readable JSON ({e})") from None
-    if meta.get("format", 1) >= 2 and zlib.crc32(_meta_text(meta).encode()) != meta.get("checksum"):
-        raise CheckpointError(f"{path / 'meta.json'}: its content does not match its checksum "
-                              "(edited or damaged)")
+        size = f.stat().st_size
+        if size > MAX_META_BYTES:  # read nothing of it: the schema could not accept it
+            raise CheckpointError(f"{f}: {size:,} bytes, more than a checkpoint's meta.json can be "
+                                  f"({MAX_META_BYTES:,})")
+        meta = json.loads(f.read_bytes().decode(), parse_constant=_no_constants)
+    except (ValueError, RecursionError) as e:  # (a CheckpointError is a ValueError too)
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{f}: not readable JSON ({shorten(str(e))})") from None
+    except OSError as e:
+        raise CheckpointError(f"{f}: unreadable ({e})") from None
+    problem = meta_problem(meta)
+    if problem:
+        raise CheckpointError(f"{f}: {problem}")
+    if meta["format"] >= 2 and zlib.crc32(_meta_text(meta).encode()) != meta["checksum"]:
+        raise CheckpointError(f"{f}: its content does not match its checksum (edited or damaged)")
+    step = checkpoint_step(path)
+    if step is not None and step != meta["step"]:
+        raise CheckpointError(f"{f}: holds step {meta['step']}, in a folder named for step {step}")
     return meta
 
 
 class Reader:
     """Every piece of a checkpoint, indexed by key, memory-mapped (read lazily). Opening
-    checks meta.json, that every rank's file is there and readable, and the small things
-    (scalars, RNG states); verify() checks pieces, reading their bytes."""
+    checks meta.json, that every rank's file is there, readable, of this checkpoint and
+    whole (its pieces cover each tensor exactly once), and the small things (scalars, RNG
+    states); verify() checks pieces, reading their bytes."""
 
     def __init__(self, path):
         self.path, self.meta = Path(path), read_meta(path)
         world = self.meta["world_size"]
-        files = sorted(self.path.glob("shard_*.pt"))
-        missing = [n for n in map(shard_name, range(world), [world] * world)
-                   if not (self.path / n).is_file()]
-        if missing or len(files) != world:
-            raise CheckpointError(f"{self.path}: incomplete, {len(files)} shard files for a "
-                                  f"checkpoint saved by {world} ranks (missing: {', '.join(missing) or '?'})")
+        try:  # the files there bound what meta.json may claim, before anything is built
+            names = {p.name for p in self.path.iterdir() if SHARD_NAME.fullmatch(p.name)}
+        except OSError as e:
+            raise CheckpointError(f"{self.path}: unreadable ({e})") from None
+        missing = list(itertools.islice(
+            (n for n in (shard_name(r, world) for r in range(world)) if n not in names), 5))
+        if missing or len(names) != world:
+            extra = sorted(names - {shard_name(r, world) for r in range(world)}) if not missing else []
+            raise CheckpointError(
+                f"{self.path}: incomplete, {len(names)} shard files for a checkpoint saved by "
+                f"{world} ranks (missing: {', '.join(missing) + (' ...' if len(missing) == 5 else '') or 'none'}"
+                + (f"; not its own: {', '.join(extra[:5])}" if extra else "") + ")")
         self.pieces, self.shapes, self.scalars, self.rng = {}, {}, {}, {}
         self._sums = {}  # (key, start) -> (crc, file name): what verify() compares
-        for f in files:
+        for rank in range(world):
+            f = self.path / shard_name(rank, world)
             try:
                 shard = torch.load(f, mmap=True, weights_only=True, map_location="cpu")
             except Exception as e:  # a truncated or overwritten file: name it
-                raise CheckpointError(f"{f}: unreadable ({type(e).__name__}: {e})") from None
+                raise CheckpointError(f"{f}: unreadable ({type(e).__name__}: {shorten(str(e))})") from None
+            problem = shard_problem(shard, rank, self.meta)
+            if problem:
+                raise CheckpointError(f"{f}: {problem}")
             sums = shard.get("checksums")
-            if sums is None and self.meta.get("format", 1) >= 2:
-                raise CheckpointError(f"{f}: no checksums, in a checkpoint whose format has them")
             for i, (key, shape, start, t) in enumerate(shard["pieces"]):
+                if self.shapes.setdefault(key, tuple(shape)) != tuple(shape):
+                    raise CheckpointError(f"{f}: tensor {key} has shape {list(shape)} here and "
+                                          f"{list(self.shapes[key])} in another file")
                 self.pieces.setdefault(key, []).append((start, t))
-                self.shapes[key] = tuple(shape)
                 if sums:
                     self._sums[(key, start)] = (sums["pieces"][i], f.name)
             for what in ("scalars", "rng"):
@@ -148,7 +230,11 @@ class Reader:
                         label = {"scalars": "optimizer scalar", "rng": "RNG state"}[what]
                         raise CheckpointError(f"{f}: {label} {k} does not match its checksum")
             self.scalars.update(shard["scalars"])
-            self.rng[shard["rank"]] = shard["rng"]
+            self.rng[rank] = shard["rng"]
+        for key, shape in self.shapes.items():  # every element once: shapes bounded by the files
+            problem = coverage_problem(key, shape, self.pieces[key])
+            if problem:
+                raise CheckpointError(f"{self.path}: {problem}: it is damaged")
 
     def problems(self, keys=None) -> list[str]:
         """The pieces (of `keys`, or of all) whose bytes do not match their checksums."""
@@ -189,11 +275,27 @@ class Reader:
         return {**out, **self.scalars}
 
 
+class CheckpointPastEndError(ValueError):
+    """The checkpoint's step is past the end of the run that would resume from it."""
+
+
+def check_step(meta_or_path, steps: int) -> None:
+    """Raise CheckpointPastEndError if the checkpoint (its meta, or its folder) was saved
+    at a step beyond `steps`, the resuming run's planned end: it would train nothing and
+    report a finished run. (At exactly `steps`: the run ends, it only evaluates.)"""
+    named = isinstance(meta_or_path, (str, os.PathLike))
+    meta = read_meta(meta_or_path) if named else meta_or_path
+    if meta["step"] > steps:
+        where = f"checkpoint {meta_or_path}" if named else "the checkpoint"
+        raise CheckpointPastEndError(f"{where} at step {meta['step']} is past --steps {steps}: "
+                                     "raise --steps or start fresh")
+
+
 def verify(path) -> list[str]:
     """What is wrong with checkpoint `path`: [] when it is intact. Reads every byte."""
     try:
         return Reader(path).problems()
-    except (CheckpointError, FileNotFoundError) as e:
+    except (CheckpointError, OSError) as e:  # (no meta.json: a FileNotFoundError)
         return [str(e)]
 
 
@@ -207,14 +309,18 @@ def main(argv=None) -> None:
         sys.exit(f"{path}: no minidist checkpoint here (no meta.json, no step_* folder with one)")
     intact = []
     for p in found:
-        bad = verify(p)
+        try:
+            r = Reader(p)
+            bad = r.problems()
+        except (CheckpointError, OSError) as e:
+            bad = [str(e)]
         if bad:
             print(f"{p}: DAMAGED\n    " + "\n    ".join(bad[:5]) + (f"\n    ... {len(bad) - 5} more" if len(bad) > 5 else ""))
-        else:
-            r = Reader(p)
-            intact.append(r)
-            sums = "checksums verified" if r.meta.get("format", 1) >= 2 else "format 1: no checksums"
-            print(f"{p}: intact ({sums}), step {r.meta['step']}, saved by {r.meta['world_size']} rank(s)")
+            continue
+        intact.append(r)
+        sums = {1: "format 1: no checksums", 2: "checksums verified"}.get(
+            r.meta["format"], "checksums and identity verified")
+        print(f"{p}: intact ({sums}), step {r.meta['step']}, saved by {r.meta['world_size']} rank(s)")
     if intact:
         r = intact[-1]
         print(f"{r.path} holds:")

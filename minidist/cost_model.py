@@ -4,8 +4,9 @@
 
 Every closed-form formula of minidist lives here, once: the ring's bytes and messages
 (chapter 02, used by the collectives benchmark's fit), the ZeRO paper's memory (chapter
-06, used by the zero benchmark), Newton-Schulz FLOPs (chapter 07), step time and memory
-at scale (chapter 08).
+06, used by the zero benchmark), Newton-Schulz FLOPs (chapter 07), step time at scale
+(chapter 08), and the bytes a step keeps (derived in chapter 09, minidist/memory.py, which
+counts and measures them): one memory model from a laptop's step to 1024 GPUs.
 
 A step on N GPUs is predicted from three kinds of figures:
 
@@ -13,8 +14,9 @@ A step on N GPUs is predicted from three kinds of figures:
   plus 12 L T d for attention) over the hardware's dense peak times an assumed MFU;
 - network: chapter 02's alpha-beta model, alpha seconds per message and beta seconds per
   byte, one pair for links inside a node and one for links between nodes;
-- memory: the ZeRO paper's 2 + 2 + K bytes per parameter (K = 12, mixed-precision Adam),
-  divided per stage, plus activations.
+- memory: minidist's own step, as minidist.memory.step_memory models it: 4 + 4 + 8 bytes
+  per parameter (fp32 weights and gradients, AdamW's moments) divided per ZeRO stage, plus
+  the activations of one micro-batch under bf16 autocast, counted exactly.
 
 Scaling efficiency is throughput on N GPUs over N times that of one GPU that communicates
 nothing: t(1) x (tokens per step on N / tokens per step on 1) / (N x t(N)). Here the
@@ -44,10 +46,8 @@ It is pessimistic where it assumes:
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from minidist.model import PRESETS, GPTConfig, config_num_params, flops_per_token
 
@@ -76,15 +76,11 @@ class Hardware:
 
 MEMORY_LIMITS_GB = (80.0, 141.0)  # H100 SXM (HBM3), H200 (HBM3e)
 
-# The models: GPT-2 small and medium, then the shapes of GPT-3's 1.3B and 6.7B (Brown et
-# al., 2020, table 2.1; 2048 wide with 16 heads of 128 here), all with GPT-2's vocabulary
-# and 1024-token context, so that one per-GPU micro-batch means the same for all.
-MODELS = {
-    "124M": GPTConfig(n_layer=12, n_head=12, n_embd=768),
-    "350M": GPTConfig(n_layer=24, n_head=16, n_embd=1024),
-    "1.3B": GPTConfig(n_layer=24, n_head=16, n_embd=2048),
-    "7B": GPTConfig(n_layer=32, n_head=32, n_embd=4096),  # 6.65B parameters
-}
+# The models at scale, by the labels the tables print: four of minidist.model.PRESETS (the
+# one table of sizes), all with GPT-2's vocabulary (GPTConfig's default) and 1024-token
+# context, so that one per-GPU micro-batch means the same for all.
+SCALE_PRESETS = {"124M": "gpt2", "350M": "gpt2-medium", "1.3B": "gpt3-1.3b", "7B": "gpt3-6.7b"}
+MODELS = {label: GPTConfig(**PRESETS[name]) for label, name in SCALE_PRESETS.items()}
 STRATEGIES = ("dp", "zero1", "zero2", "zero3")
 
 # Chapter 02's table, written out: the share of the buffer S each rank sends, and the
@@ -231,24 +227,66 @@ def ns_flops(m: int, n: int, steps: int = 5) -> int:
     return steps * (4 * m * m * n + 2 * m**3)
 
 
-def activation_bytes(cfg: GPTConfig, micro_batch: int, seq_len: int | None = None) -> float:
-    """Activations kept for backward, 16-bit, no recomputation. Korthikanti et al. (2022)
-    count s b h (34 + 5 a s / h) bytes per layer; flash attention keeps no s x s scores,
-    which removes the second term. Plus the logits: bf16, and the fp32 copy the loss takes
-    (model.GPT.forward calls .float())."""
-    T = seq_len or cfg.block_size
-    tokens = micro_batch * T
-    return 34 * tokens * cfg.n_embd * cfg.n_layer + tokens * cfg.vocab_size * (2 + 4)
+# ------------------------------------------------------------ memory: one model, every size
+
+# What a step of minidist keeps, derived in minidist/memory.py's docstring (chapter 09)
+# and counted there by autograd's pack hook (tests/test_memory.py holds the count to these
+# formulas). memory.step_memory adds backward's transients to find the peak.
+ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes of autocast's dtype
 
 
-def memory_per_gpu(cfg: GPTConfig, strategy: str, n: int, micro_batch: int = 8) -> dict:
-    psi = config_num_params(cfg)
-    stage = STRATEGIES.index(strategy)
-    state = model_state_bytes(psi, n, stage)
-    # ZeRO-3 holds full 16-bit copies of the unit it runs and the one it prefetches
-    working = 2 * (2 * psi / cfg.n_layer) if stage == 3 and n > 1 else 0.0
-    total = state + activation_bytes(cfg, micro_batch) + working
-    return dict(state_GB=state / GB, total_GB=total / GB,
+def block_activation_bytes(B: int, T: int, d: int, H: int, precision: str = "fp32",
+                           checkpointed: bool = False) -> int:
+    """Bytes one transformer block saves for backward (see minidist/memory.py)."""
+    if checkpointed:
+        return 4 * B * T * d
+    e = ELEM[precision]
+    weights = 12 * e * d * d if e < 4 else 0  # autocast's 16-bit weight copies
+    return B * T * (8 * d + 14 * e * d + 4 * H + 16) + weights
+
+
+def head_activation_bytes(B: int, T: int, d: int, V: int, precision: str = "fp32") -> int:
+    """Bytes saved outside the blocks: indices, final LayerNorm, the head, the loss."""
+    e = ELEM[precision]
+    weights = e * V * d if e < 4 else 0  # the head's 16-bit weight copy
+    tokens = B * T * (8 + 8 + 4 * d + 8 + e * d + 4 * V)  # idx, targets, ln_f in/stats/out, log-softmax
+    return tokens + 8 * T + weights
+
+
+def activation_bytes(cfg: GPTConfig, B: int, T: int | None = None, precision: str = "bf16",
+                     checkpointed: bool = False) -> int:
+    """Everything the forward keeps for backward, one micro-batch of B sequences of T
+    tokens (default: the context), flash attention (nothing T x T)."""
+    T = T or cfg.block_size
+    blocks = cfg.n_layer * block_activation_bytes(B, T, cfg.n_embd, cfg.n_head, precision, checkpointed)
+    return blocks + head_activation_bytes(B, T, cfg.n_embd, cfg.vocab_size, precision)
+
+
+def block_params(cfg: GPTConfig) -> int:
+    d, b = cfg.n_embd, int(cfg.bias)
+    return 12 * d * d + 2 * d * (1 + b) + (3 + 1 + 4 + 1) * d * b
+
+
+def zero3_gathered_bytes(cfg: GPTConfig) -> float:
+    """ZeRO-3's most gathered fp32 parameters at once: the root unit (everything outside
+    the blocks), held from forward to the end of backward, and two blocks (the one that
+    runs and the one prefetched)."""
+    block = 4 * block_params(cfg)
+    return 4 * config_num_params(cfg) - cfg.n_layer * block + 2 * block
+
+
+def memory_per_gpu(cfg: GPTConfig, strategy: str, n: int, micro_batch: int = 8,
+                   precision: str = "bf16", checkpointed: bool = False) -> dict:
+    """What each GPU holds through a train_gpt step: the model states (fp32 parameters and
+    gradients, AdamW's two fp32 moments: 4 + 4 + 8 bytes per parameter, sharded per stage;
+    the ZeRO paper's mixed precision, 2 + 2 + 12, shards more at stage 1), one micro-batch's
+    activations under autocast, ZeRO-3's gathered parameters. The parts of
+    minidist.memory.step_memory, whose peak adds backward's transients."""
+    psi, stage = config_num_params(cfg), STRATEGIES.index(strategy)
+    state = model_state_bytes(psi, n, stage, k=8, p=4, g=4)
+    act = activation_bytes(cfg, micro_batch, cfg.block_size, precision, checkpointed)
+    total = state + act + (zero3_gathered_bytes(cfg) if stage == 3 else 0.0)
+    return dict(state_GB=state / GB, activations_GB=act / GB, total_GB=total / GB,
                 **{f"fits_{int(m)}GB": total <= m * GB for m in MEMORY_LIMITS_GB})
 
 
@@ -266,53 +304,6 @@ def hardware_from_fit(fit: dict, n: int, peak_flops: float = 1.0, overlap: float
     return Hardware(name=f"this machine, gloo, N={n}", peak_flops=peak_flops, mfu=1.0,
                     gpus_per_node=n, intra_GBps=bw, intra_alpha_s=fit["alpha_s"],
                     inter_GBps=bw, inter_alpha_s=fit["alpha_s"], overlap=overlap)
-
-
-def _load(path: Path):
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def compare_with_measured(out: Path) -> list[dict]:
-    """The model with this machine's alpha and beta against what the other benchmarks
-    measured here, where their JSON is in `out`. Only differences of step time are
-    compared: compute is taken from the measurement itself (a CPU has no agreed peak).
-
-    - ddp.json: the communication data parallelism exposes on train_gpt's CPU model at
-      N = 2 in 1 MB buckets, without overlap (step minus the step that sends nothing),
-      and with it, where the model's perfect overlap says what it hopes for.
-    - zero.json: each ZeRO stage's step time over stage 0's, per N, fp32 on the wire.
-      bench zero times torch's gloo collectives while alpha and beta were fitted on
-      minidist's rings, and gloo's reduce-scatter sends an all-reduce's bytes (chapter
-      02): expect the model to under-predict stages 2 and 3 a little.
-    """
-    fits = (_load(out / "collectives.json") or {}).get("alpha_beta")
-    if not fits:
-        return []
-    tiny = GPTConfig(**PRESETS["tiny"], vocab_size=2048)  # what bench ddp and zero train
-    psi, rows = config_num_params(tiny), []
-    ddp = _load(out / "ddp.json")
-    if ddp and "2" in fits:
-        t, hw = ddp["step_s"], hardware_from_fit(fits["2"], 2)
-        k = math.ceil(4 * psi / 2**20)  # 1 MB buckets of fp32 gradients
-        c = collective_time("all_reduce", 4 * psi / k, 2, hw)
-        bwd = 2 / 3 * t["no_comm"]
-        rows.append(dict(what="DDP exposed comm, N=2, no overlap (ms)", measured=1e3 * (t["bucketed:1:no_overlap"] - t["no_comm"]),
-                         model=1e3 * k * c))
-        rows.append(dict(what="DDP exposed comm, N=2, overlap (ms)", measured=1e3 * (t["bucketed:1"] - t["no_comm"]),
-                         model=1e3 * exposed_time(c, k, bwd)))
-    zero = _load(out / "zero.json")
-    for n, run in (zero or {}).get("runs", {}).items():
-        if n not in fits or set(run["step_s"]) < {"stage0", "stage1", "stage2", "stage3"}:
-            continue
-        hw = hardware_from_fit(fits[n], int(n))
-        cfg = GPTConfig(**zero["config"])
-        comm = {s: step_time(cfg, s, int(n), hw, elem_bytes=4)["exposed_s"] for s in STRATEGIES}
-        compute = run["step_s"]["stage0"] - comm["dp"]
-        for i, s in enumerate(STRATEGIES[1:], 1):
-            rows.append(dict(what=f"ZeRO-{i} step / stage 0, N={n}",
-                             measured=run["step_s"][f"stage{i}"] / run["step_s"]["stage0"],
-                             model=(compute + comm[s]) / (compute + comm["dp"])))
-    return rows
 
 
 def scan(models: dict, ns: list[int], hw: Hardware, micro_batch: int = 8) -> list[dict]:

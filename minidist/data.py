@@ -212,18 +212,21 @@ def read_shard(path, vocab_size: int | None = None) -> np.ndarray:
     return tokens
 
 
-def prepare_shakespeare(out_dir, tokenizer: str = "gpt2") -> dict:
+def prepare_shakespeare(out_dir, tokenizer: str = "gpt2", log=print) -> dict:
     """Tokenize the corpus into out_dir/{train,val}_000000.bin plus meta.json (idempotent).
 
     Plays are separated by <|endoftext|>. meta.json records token and byte counts.
     """
     out = Path(out_dir)
     meta_path = out / "meta.json"
-    if meta_path.exists():
-        meta = json.loads(meta_path.read_text())
-        if meta.get("tokenizer") == tokenizer and all(
-                (out / f"{s}_000000.bin").exists() for s in ("train", "val")):
+    try:  # a cache there is verified (shard sizes and headers against meta.json); if damaged, said
+        meta = json.loads(meta_path.read_text())  # to `log` (None: quietly) and written again
+        counts = [len(read_shard(out / f"{s}_000000.bin")) for s in ("train", "val")]
+        if meta["tokenizer"] == tokenizer and counts == [meta["train_tokens"], meta["val_tokens"]]:
             return meta
+        raise ValueError(f"its shards hold {counts} tokens, its meta.json recorded other counts")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        meta_path.exists() and log and log(f"data: the cache in {out} is damaged ({e}); writing it again")
     enc = get_tokenizer(tokenizer)
     meta = {"tokenizer": tokenizer, "vocab_size": enc.n_vocab, "val_plays": list(VAL_PLAYS)}
     for split in ("train", "val"):

@@ -17,6 +17,11 @@ never asks which one it has:
     sync.finish_gradient_synchronization()   after the last backward: gradients averaged
     sync.clip_grad_norm_(max_norm)        clip by the norm of the whole averaged gradient
 
+and clipping is built, the same way for all of them, from two more: grad_square_sum(weight)
+(the whole gradient's squared norm, the same on every rank of the sync's group) and
+scale_grads(coef) (this rank's gradients times coef), joined by clip_to_global_norm below.
+The dp x tp mesh (minidist/mesh.py) clips over tensor-parallel shards with the same two.
+
 `NaiveDDP` and `FlatDDP` present the first two functions that way (they do their
 all-reduce in finish_gradient_synchronization), `DDP` presents itself, and so do
 minidist.zero's optimizers (stages 1-3), which average the gradients themselves.
@@ -90,10 +95,40 @@ def allreduce_gradients_flat(module: nn.Module, group=None) -> None:
         offset += n
 
 
+@torch.no_grad()
+def clip_to_global_norm(square_sum: torch.Tensor, max_norm: float, scale_grads) -> torch.Tensor:
+    """The one global-norm clip every gradient sync shares: given the whole gradient's
+    squared norm (the same number on every rank), multiply the gradients by
+    min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_ does, through
+    `scale_grads(coef)`; return the norm before clipping."""
+    norm = torch.as_tensor(square_sum, dtype=torch.float64).reshape(()).sqrt().float()
+    scale_grads((max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm
+
+
+@torch.no_grad()
+def grad_square_sum(module: nn.Module, weight=None) -> torch.Tensor:
+    """Sum of the squares of every gradient (float64), each parameter's times weight(p) if
+    given; every rank holds the same averaged gradients, so every rank gets the same sum."""
+    params = unique_params(module)
+    total = torch.zeros((), dtype=torch.float64, device=params[0].device if params else "cpu")
+    for p in params:
+        if p.grad is not None:
+            total += (1.0 if weight is None else weight(p)) * p.grad.double().square().sum()
+    return total
+
+
+@torch.no_grad()
+def scale_grads(module: nn.Module, coef) -> None:
+    for p in unique_params(module):
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.device) if torch.is_tensor(coef) else coef)
+
+
 def clip_grad_norm_(module: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip by the norm of the whole gradient, as torch.nn.utils.clip_grad_norm_ (every rank
     holds the same averaged gradients, so every rank computes the same norm)."""
-    return torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
+    return clip_to_global_norm(grad_square_sum(module), max_norm, lambda c: scale_grads(module, c))
 
 
 class NaiveDDP:
@@ -114,7 +149,13 @@ class NaiveDDP:
         allreduce_gradients_naive(self.module, self.group)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        return clip_grad_norm_(self.module, max_norm)
+        return clip_to_global_norm(self.grad_square_sum(), max_norm, self.scale_grads)
+
+    def grad_square_sum(self, weight=None) -> torch.Tensor:
+        return grad_square_sum(self.module, weight)
+
+    def scale_grads(self, coef) -> None:
+        scale_grads(self.module, coef)
 
 
 class FlatDDP(NaiveDDP):
@@ -289,7 +330,13 @@ class DDP(nn.Module):
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the averaged gradients by their global norm (the same on every rank)."""
-        return clip_grad_norm_(self.module, max_norm)
+        return clip_to_global_norm(self.grad_square_sum(), max_norm, self.scale_grads)
+
+    def grad_square_sum(self, weight=None) -> torch.Tensor:
+        return grad_square_sum(self.module, weight)
+
+    def scale_grads(self, coef) -> None:
+        scale_grads(self.module, coef)
 
     def _reset(self) -> None:
         for bucket in self.buckets:

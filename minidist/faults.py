@@ -27,6 +27,8 @@ import json
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from datetime import timedelta
 
@@ -160,3 +162,53 @@ def stop_tracing() -> None:
     for name, fn in _originals.items():
         setattr(dist, name, fn)
     _originals.clear()
+
+
+# ---------------------------------------------------------------- endings: signals, lost peers
+
+class StopOnSignal:
+    """SIGTERM and SIGINT (what a scheduler, torchrun or Ctrl-C sends) become a clean stop
+    at the end of the current step: every rank finishes it, a checkpoint is saved (with
+    --checkpoint-every), summary.json says so and rank 0 names the command to resume. A
+    second signal some seconds after the first acts at once, as it would without this.
+    Installed only in the main thread (Python's rule); undone on exit."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, patience_s: float = 3.0):
+        self.signum, self.first_at, self.patience_s, self.previous = None, 0.0, patience_s, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        self.previous = {}
+
+    def _handle(self, signum, frame):
+        if self.signum is None:
+            self.signum, self.first_at = signum, time.monotonic()
+        elif time.monotonic() - self.first_at > self.patience_s:  # (not torchrun forwarding
+            self.__exit__()                                        # a Ctrl-C the ranks also got)
+            signal.raise_signal(signum)
+
+
+def any_signal(signum) -> int:
+    """The signal any rank was sent (0: none), agreed by all (a tiny all-reduce): the ranks
+    get it at different moments, and must stop after the same step."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return signum or 0
+    flag = torch.tensor([signum or 0], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())
+
+
+def is_collective_failure(e: BaseException) -> bool:
+    """An error a collective raised because a peer is gone or late: the consequence of
+    another rank's failure, which that rank reports itself."""
+    text = str(e).lower()
+    return isinstance(e, dist.DistError) or any(
+        w in text for w in ("gloo", "nccl", "connection closed", "connection reset", "timed out"))

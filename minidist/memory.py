@@ -32,38 +32,16 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from minidist.cost_model import model_state_bytes
+# The formulas derived above live in minidist.cost_model with every closed form of the
+# course, so that chapter 08's tables at scale use the same count (one memory model);
+# this module counts and measures what they predict, and models the peak of a step.
+from minidist.cost_model import (ELEM, GB, activation_bytes, block_activation_bytes, block_params,
+                                 head_activation_bytes, model_state_bytes, zero3_gathered_bytes)
 from minidist.model import GPTConfig, config_num_params
 
-GB = 1e9
-ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}
-
-
-# ------------------------------------------------------------------ activations, derived
-
-def block_activation_bytes(B: int, T: int, d: int, H: int, precision: str = "fp32",
-                           checkpointed: bool = False) -> int:
-    """Bytes one transformer block saves for backward (see the module's docstring)."""
-    if checkpointed:
-        return 4 * B * T * d
-    e = ELEM[precision]
-    weights = 12 * e * d * d if e < 4 else 0  # autocast's 16-bit weight copies
-    return B * T * (8 * d + 14 * e * d + 4 * H + 16) + weights
-
-
-def head_activation_bytes(B: int, T: int, d: int, V: int, precision: str = "fp32") -> int:
-    """Bytes saved outside the blocks: indices, final LayerNorm, the head, the loss."""
-    e = ELEM[precision]
-    weights = e * V * d if e < 4 else 0  # the head's 16-bit weight copy
-    tokens = B * T * (8 + 8 + 4 * d + 8 + e * d + 4 * V)  # idx, targets, ln_f in/stats/out, log-softmax
-    return tokens + 8 * T + weights
-
-
-def activation_bytes(cfg: GPTConfig, B: int, T: int, precision: str = "fp32",
-                     checkpointed: bool = False) -> int:
-    """Everything the forward keeps for backward, one micro-batch of B sequences."""
-    blocks = cfg.n_layer * block_activation_bytes(B, T, cfg.n_embd, cfg.n_head, precision, checkpointed)
-    return blocks + head_activation_bytes(B, T, cfg.n_embd, cfg.vocab_size, precision)
+__all__ = ["ELEM", "GB", "activation_bytes", "block_activation_bytes", "head_activation_bytes",
+           "zero3_gathered_bytes", "count_saved_bytes", "step_memory", "LiveBytes", "live_tensors",
+           "storages_now", "measure_peak", "gib", "round_up"]
 
 
 # ------------------------------------------------------------------ activations, counted
@@ -112,12 +90,12 @@ def step_memory(cfg: GPTConfig, micro_batch: int, seq_len: int, world: int = 1, 
     the start of backward (every activation alive, the loss's gradient just made) and the
     end of backward (gradients complete)."""
     psi = config_num_params(cfg)
-    B, T, d, V, L = micro_batch, seq_len, cfg.n_embd, cfg.vocab_size, cfg.n_layer
+    B, T, d, V = micro_batch, seq_len, cfg.n_embd, cfg.vocab_size
     # fp32 parameters (4), gradients (4) and AdamW's two moments (8), sharded per stage
     states = model_state_bytes(psi, world, stage, k=8, p=4, g=4)
     params, grads = 4 * psi / (world if stage >= 3 else 1), 4 * psi / (world if stage >= 2 else 1)
     optim = states - params - grads
-    block = 4 * _block_params(cfg)
+    block = 4 * block_params(cfg)
     unit = min(block if stage == 3 else 4 * psi, bucket_cap_mb * 2**20)  # a bucket's gradients
     if stage == 0:    # DDP's buckets hold the gradients; backward makes fresh ones beside them
         in_flight = 4 * psi
@@ -143,19 +121,6 @@ def step_memory(cfg: GPTConfig, micro_batch: int, seq_len: int, world: int = 1, 
                activations=act, transient=max(logits_grad, recompute),
                peak=max(start, during, end))
     return {k: float(v) for k, v in out.items()}
-
-
-def zero3_gathered_bytes(cfg: GPTConfig) -> float:
-    """ZeRO-3's most gathered fp32 parameters at once: the root unit (everything outside
-    the blocks), held from forward to the end of backward, and two blocks (the one that
-    runs and the one prefetched)."""
-    block = 4 * _block_params(cfg)
-    return 4 * config_num_params(cfg) - cfg.n_layer * block + 2 * block
-
-
-def _block_params(cfg: GPTConfig) -> int:
-    d, b = cfg.n_embd, int(cfg.bias)
-    return 12 * d * d + 2 * d * (1 + b) + (3 + 1 + 4 + 1) * d * b
 
 
 # ------------------------------------------------------------------ the step, measured
@@ -221,7 +186,8 @@ def measure_peak(exclude: set = frozenset()):
 
 
 def gib(x: float) -> str:
-    return f"{x / GB:.2f} GB" if x >= 0.1 * GB else f"{x / 2**20:.1f} MiB"
+    """x bytes in GiB (2**30 bytes), or in MiB (2**20) below a tenth of a GiB."""
+    return f"{x / 2**30:.2f} GiB" if x >= 2**30 / 10 else f"{x / 2**20:.1f} MiB"
 
 
 def round_up(x: float, m: float) -> float:

@@ -1,5 +1,6 @@
 """The device mesh: the world's ranks laid out as a grid, one axis per way of splitting
-the work, and one process group per line of the grid.
+the work, and one process group per line of the grid; and MeshSync, the gradient sync
+of a dp x tp mesh.
 
 Chapter 10 (chapters/10_tensor_parallel.md) introduces it with two axes, data parallel x
 tensor parallel; chapter 11 adds the pipeline axis. Exercised by tests/test_mesh.py and by
@@ -32,7 +33,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
+
+from minidist.ddp import clip_to_global_norm
 
 
 def coords(rank: int, dp: int, tp: int, pp: int = 1) -> tuple[int, int, int]:
@@ -100,3 +104,40 @@ def make_mesh(tp: int = 1, pp: int = 1) -> Mesh:
                 mine[axis] = g
     pp_rank, dp_rank, tp_rank = coords(rank, dp, tp, pp)
     return Mesh(dp, tp, pp, rank, dp_rank, tp_rank, pp_rank, mine["dp"], mine["tp"], mine["pp"])
+
+
+class MeshSync:
+    """The gradient-sync interface (minidist/ddp.py) of a dp x tp mesh: `inner`, a DDP or a
+    ZeRO optimizer over the dp group, averages each tensor-parallel shard with the same
+    shard on the other replicas; what tensor parallelism adds is the norm for clipping.
+    A parameter split over the tp ranks (chapter 10's shards carry `tp_shard`) has a
+    different slice on each, so its squares are summed over the tp group; a replicated
+    one (layer norms, the position table, row-parallel biases) is the same on every tp
+    rank, so it counts once (weight 1/t on each of the t ranks). One norm, one number
+    on every rank of both axes, as one process would compute it."""
+
+    def __init__(self, inner, tp_group):
+        self.inner, self.tp_group = inner, tp_group
+
+    def no_sync(self):
+        return self.inner.no_sync()
+
+    def finish_gradient_synchronization(self) -> None:
+        self.inner.finish_gradient_synchronization()
+
+    def grad_square_sum(self, weight=None) -> torch.Tensor:
+        t = dist.get_world_size(self.tp_group)
+
+        def counted(p):
+            w = 1.0 if weight is None else weight(p)
+            return w if getattr(p, "tp_shard", None) is not None else w / t
+        sq = self.inner.grad_square_sum(counted).reshape(1)  # whole over dp, the same on dp ranks
+        dist.all_reduce(sq, group=self.tp_group)
+        return sq[0]
+
+    def scale_grads(self, coef) -> None:
+        self.inner.scale_grads(coef)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        self.finish_gradient_synchronization()
+        return clip_to_global_norm(self.grad_square_sum(), max_norm, self.scale_grads)

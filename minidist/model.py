@@ -43,8 +43,11 @@ class GPTConfig:
         return asdict(self)
 
 
-# Named sizes. "gpt2" is GPT-2 small (124M); "tiny" is what a laptop CPU trains in a
-# couple of minutes (train_gpt picks it when there is no GPU).
+# Named sizes, the one table of them (minidist.cost_model's models at scale are four of
+# these). "gpt2" is GPT-2 small (124M); "tiny" is what a laptop CPU trains in a couple of
+# minutes (train_gpt picks it when there is no GPU). The last two are the shapes of GPT-3's
+# 1.3B and 6.7B (Brown et al., 2020, table 2.1; heads of 128) with GPT-2's context. None
+# names a vocabulary: GPTConfig's default is GPT-2's, and the CPU runs pick a smaller one.
 PRESETS = {
     "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
     "small": dict(n_layer=6, n_head=6, n_embd=384, block_size=256),
@@ -52,6 +55,8 @@ PRESETS = {
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024),
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024),
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024),
+    "gpt3-1.3b": dict(n_layer=24, n_head=16, n_embd=2048, block_size=1024),
+    "gpt3-6.7b": dict(n_layer=32, n_head=32, n_embd=4096, block_size=1024),  # 6.65B parameters
 }
 
 

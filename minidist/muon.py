@@ -14,12 +14,15 @@ orthogonalisation is minidist/newton_schulz.py's few matrix products.
 Distributed: every rank holds the same averaged gradients (data parallelism), so every
 rank could orthogonalise every matrix, N times the same work. Instead each matrix has an
 owner rank: the owner keeps its momentum (1/N of the optimizer state per rank) and
-computes its update, and one all-gather per round of N matrices hands every rank every
-update. Matrices are dealt out by cost, largest first, one per rank per round, so a
-round's matrices are alike in size. Rounds travel packed in buckets of about 4 MB (the
-helpers under "packing" below), each all-gather started asynchronously so that the next
-bucket's Newton-Schulz runs while it is on the wire. Under ZeRO stages 1-2 the gradients
-reach the owners by a reduce-scatter instead of DDP's all-reduce (minidist/zero/muon.py).
+computes its update, and an all-gather hands every rank every update. Matrices are dealt
+out by cost, largest first, one per rank per round, so a round's matrices are alike in
+size. Two forms of that step, the plain one first:
+- `Muon.step_round_by_round()`: each rank orthogonalises its matrix of the round, then
+  one all-gather per round;
+- `Muon.step()`, what training uses: the same arithmetic, rounds packed in buckets of about
+  4 MB ("packing" below), each bucket's all-gather overlapping the next one's Newton-Schulz.
+Under ZeRO the gradients reach the owners by a reduce-scatter instead of DDP's all-reduce,
+and at stage 3 the updates go only to the shards' holders: minidist/zero/muon.py.
 
 Which parameters belong to Muon is decided once (split_params) and checked after the
 first step (check_routing): a wrong routing trains silently with the wrong optimizer.
@@ -35,8 +38,8 @@ import torch.nn as nn
 
 from minidist.newton_schulz import NS_COEFFICIENTS, newton_schulz, newton_schulz_many, schedule
 
-__all__ = ["NS_COEFFICIENTS", "newton_schulz", "adjust_lr", "Muon", "hidden_matrices", "split_params",
-           "check_routing"]
+__all__ = ["NS_COEFFICIENTS", "newton_schulz", "adjust_lr", "Muon", "RoundBucket", "plan_buckets",
+           "hidden_matrices", "split_params", "check_routing"]
 
 
 def adjust_lr(lr: float, shape, how: str | None = None) -> float:
@@ -82,8 +85,10 @@ class Muon(torch.optim.Optimizer):
                                      f"{tuple(p.shape)}: give it to AdamW (see muon.split_params)")
         self.ns_dtype, self.group, self.bucket_mb, self.batched = ns_dtype, group, bucket_mb, batched
         self.steps_taken = 0  # check_routing reads it: did Muon run at all?
-        self.before_step = None  # under ZeRO: brings the gradients to their owners (zero/muon.py)
-        self.to_shards = None  # under ZeRO-3: sends the updates to the shards' holders (zero/muon.py)
+
+    def rank_and_world(self) -> tuple[int, int]:
+        """(rank, world size) of this Muon's group; (0, 1) without a process group."""
+        return self._world()  # (exercise 07's tests override _world)
 
     def _world(self) -> tuple[int, int]:
         if self.group is None and not (dist.is_available() and dist.is_initialized()):
@@ -128,7 +133,7 @@ class Muon(torch.optim.Optimizer):
     # ------------------------------------------------------------ who owns what
 
     @staticmethod
-    def _deal(items: list) -> list[int]:
+    def deal(items: list) -> list[int]:
         """The matrices dealt out by cost, largest first, N per round: rank r owns the r-th
         of each round. Newton-Schulz on an m x n matrix (m <= n) costs about m*m*n."""
         cost = lambda i: min(items[i][0].shape) ** 2 * max(items[i][0].shape)
@@ -136,62 +141,93 @@ class Muon(torch.optim.Optimizer):
 
     def owners(self) -> dict[int, int]:
         """id(parameter) -> the rank that keeps its momentum and orthogonalises it."""
-        _, world = self._world()
-        items = [(p, g) for g in self.param_groups for p in g["params"]]
-        return {id(items[i][0]): j % world for j, i in enumerate(self._deal(items))}
+        _, world = self.rank_and_world()
+        items = self.matrices()
+        return {id(items[i][0]): j % world for j, i in enumerate(self.deal(items))}
+
+    def matrices(self) -> list[tuple]:
+        """[(parameter, its param group)] in the groups' order: the items deal() indexes."""
+        return [(p, g) for g in self.param_groups for p in g["params"]]
+
+    def owned_updates(self) -> dict:
+        """{parameter: update} for the matrices this rank owns that have a gradient
+        (momentum and Newton-Schulz: the owner's work, batched by shape)."""
+        (rank, _), owners = self.rank_and_world(), self.owners()
+        mine = [(p, g) for p, g in self.matrices() if owners[id(p)] == rank and p.grad is not None]
+        return {p: u for (p, _), u in zip(mine, self._updates(mine))}
 
     def state_pieces(self) -> tuple[list, list]:
         """What this rank holds, for minidist.checkpoint: the state (the momentum) of the
         matrices it owns, whole: (p, 0, p, 0, p.numel()); the parameters themselves are
         whole on every rank (no pieces)."""
-        rank, _ = self._world()
-        owners = self.owners()
-        return [(p, 0, p, 0, p.numel()) for g in self.param_groups for p in g["params"]
-                if owners[id(p)] == rank], []
+        (rank, _), owners = self.rank_and_world(), self.owners()
+        return [(p, 0, p, 0, p.numel()) for p, _ in self.matrices() if owners[id(p)] == rank], []
 
     # ------------------------------------------------------------ the step
 
     @torch.no_grad()
+    def step_round_by_round(self) -> None:
+        """The plain distributed step: for each round of N matrices (dealt as owners()
+        says), each rank orthogonalises the one it owns and one all-gather hands every
+        rank every update, as [flag, update, padding] (flag 0: no gradient, or no matrix
+        for this rank in the last round). step() is the same arithmetic, bucketed."""
+        (rank, world), items = self.rank_and_world(), self.matrices()
+        order = self.deal(items)
+        for start in range(0, len(order), world):
+            round_ = order[start:start + world]
+            send = torch.zeros(1 + max(items[i][0].numel() for i in round_), dtype=self.ns_dtype,
+                               device=items[0][0].device)
+            if rank < len(round_) and items[round_[rank]][0].grad is not None:
+                update = self._updates([items[round_[rank]]])[0].flatten()
+                send[0], send[1:1 + update.numel()] = 1, update
+            recv = torch.empty(world * send.numel(), dtype=send.dtype, device=send.device)
+            dist.all_gather_single(recv, send, group=self.group)
+            recv = recv.view(world, -1)  # row r: rank r's [flag, update, padding]
+            for owner, i in enumerate(round_):  # every rank, every update, the same order
+                if recv[owner, 0] == 1:
+                    p, g = items[i]
+                    self._apply(p, recv[owner, 1:1 + p.numel()], g)
+        self.steps_taken += 1
+
+    @torch.no_grad()
     def step(self, closure=None):
+        """As step_round_by_round(), rounds in buckets whose all-gathers overlap the next
+        bucket's Newton-Schulz. Under ZeRO the gradients must be at their owners first
+        (the gradient sync's finish_gradient_synchronization(): minidist/zero/muon.py)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.before_step is not None:
-            self.before_step()
         self.steps_taken += 1
-        rank, world = self._world()
-        items = [(p, g) for g in self.param_groups for p in g["params"]]
+        rank, world = self.rank_and_world()
+        items = self.matrices()
         if world == 1:
             todo = [(p, g) for p, g in items if p.grad is not None]
             for (p, g), update in zip(todo, self._updates(todo)):
                 self._apply(p, update, g)
             return loss
-        if self.to_shards is not None:  # ZeRO-3: each rank holds shards of the parameters
-            owners = self.owners()
-            mine = [(p, g) for p, g in items if owners[id(p)] == rank and p.grad is not None]
-            self.to_shards({id(p): u for (p, _), u in zip(mine, self._updates(mine))})
-            return loss
         # N ranks. The owner computes: in each bucket of rounds, the matrices this rank
         # owns (those with a gradient), batched by shape. One all-gather per bucket then
         # hands every rank every owner's updates; it runs while the next bucket computes.
         in_flight = []
-        for bucket in _plan(items, self._deal(items), world, self.bucket_mb * 2**20, self.ns_dtype):
+        for bucket in plan_buckets(items, self.deal(items), world, self.bucket_mb * 2**20, self.ns_dtype):
             mine = [i for i in bucket.owned_by(rank) if items[i][0].grad is not None]
             updates = dict(zip(mine, self._updates([items[i] for i in mine])))
             send = bucket.pack(rank, updates, self.ns_dtype, items[0][0].device)
-            in_flight.append((bucket, _all_gather_async(send, world, self.group)))
+            recv = torch.empty(world * send.numel(), dtype=send.dtype, device=send.device)
+            work = dist.all_gather_single(recv, send, group=self.group, async_op=True)
+            in_flight.append((bucket, recv, work))
         # Every rank applies every update, in the same order, to the same values.
-        for bucket, (recv, work) in in_flight:
+        for bucket, recv, work in in_flight:
             work.wait()
-            for i, update in bucket.unpack(recv, items):
+            for i, update in bucket.unpack(recv.view(world, -1), items):
                 self._apply(items[i][0], update, items[i][1])
         return loss
 
 
 # ---------------------------------------------------------------- packing: rounds into buckets
 
-class _Bucket:
+class RoundBucket:
     """Consecutive rounds whose updates travel in one all-gather. Each rank's part has one
     slot per round, [has_update, update (flattened), padding], as long as the round's
     largest matrix plus one: the layout depends on shapes only, so every rank computes the
@@ -228,7 +264,7 @@ class _Bucket:
                     yield i, recv[owner, offset + 1:offset + 1 + items[i][0].numel()]
 
 
-def _plan(items: list, order: list[int], world: int, bucket_bytes: float, dtype) -> list[_Bucket]:
+def plan_buckets(items: list, order: list[int], world: int, bucket_bytes: float, dtype) -> list[RoundBucket]:
     """The dealt order cut into rounds of `world`, the rounds packed into buckets of about
     bucket_bytes per rank's part (a few collectives: each has a fixed latency)."""
     rounds = [order[s:s + world] for s in range(0, len(order), world)]
@@ -237,18 +273,11 @@ def _plan(items: list, order: list[int], world: int, bucket_bytes: float, dtype)
         current.append(round_)
         size += (1 + max(items[i][0].numel() for i in round_)) * dtype.itemsize
         if size >= bucket_bytes:
-            buckets.append(_Bucket(current, items))
+            buckets.append(RoundBucket(current, items))
             current, size = [], 0
     if current:
-        buckets.append(_Bucket(current, items))
+        buckets.append(RoundBucket(current, items))
     return buckets
-
-
-def _all_gather_async(send: torch.Tensor, world: int, group):
-    """(recv viewed as (world, len(send)), the work to wait for)."""
-    recv = torch.empty(world * send.numel(), dtype=send.dtype, device=send.device)
-    work = dist.all_gather_single(recv, send, group=group, async_op=True)
-    return recv.view(world, -1), work
 
 
 # ---------------------------------------------------------------- routing: which parameters are Muon's

@@ -28,6 +28,7 @@ planner finds that one per family and takes the cheapest of the families
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -98,10 +99,24 @@ def accum_options(batch: int, world: int) -> list[int]:
     return [k for k in range(1, share + 1) if share % k == 0]
 
 
+def check_sizes(batch: int, seq_len: int, world: int, budget_gb: float) -> None:
+    """PlanError unless the sizes can describe a run: counts >= 1, a finite budget > 0, and
+    a batch that splits over the ranks (a negative size would make a plan "fit")."""
+    for name, v in (("world size", world), ("batch", batch), ("sequence length", seq_len)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise PlanError(f"the {name} must be an integer >= 1, got {v!r}")
+    if not (isinstance(budget_gb, (int, float)) and math.isfinite(budget_gb) and budget_gb > 0):
+        raise PlanError(f"the memory budget must be a finite number of GB > 0, got {budget_gb!r}")
+    if batch % world:
+        raise PlanError(f"a batch of {batch} sequences does not divide over {world} ranks: use a "
+                        f"multiple of {world}, e.g. {world * max(1, batch // world)}")
+
+
 def plan(cfg: GPTConfig, batch: int, seq_len: int, world: int, budget_gb: float,
          precision: str = "fp32", stages=(0, 1, 2, 3), accums=None, ckpts=(False, True),
          bucket_cap_mb: float = 25.0) -> tuple[Choice, str]:
     """The cheapest configuration whose peak fits `budget_gb`, and one line of reasoning."""
+    check_sizes(batch, seq_len, world, budget_gb)
     budget = budget_gb * GB
     valid = accum_options(batch, world)
     if accums and not set(accums) & set(valid):
@@ -211,18 +226,43 @@ def table(cfg: GPTConfig, batch: int, seq_len: int, world: int, budget_gb: float
             f"{c.comm_bytes / GB:7.2f} GB sent" for c in rows]
 
 
+def _positive(kind):
+    """An argparse type: a `kind` (int or float) > 0 and finite; anything else exits 2 with
+    "argument --FLAG: must be ..." (a world of 0 ranks or a negative budget has no plan)."""
+    what = "an integer >= 1" if kind is int else "a finite number > 0"
+
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if not (math.isfinite(v) and v > 0):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return v
+    parse.__name__ = what
+    return parse
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description="What fits a memory budget, and what it costs.")
     p.add_argument("--preset", default="gpt2", help=f"one of {', '.join([*PRESETS, *MODELS])}")
-    p.add_argument("--world-size", type=int, default=8)
-    p.add_argument("--budget-gb", type=float, default=80.0, help="per rank")
-    p.add_argument("--batch-size", type=int, default=None, help="global, in sequences (default 8 per rank)")
-    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--world-size", type=_positive(int), default=8)
+    p.add_argument("--budget-gb", type=_positive(float), default=80.0, help="per rank")
+    p.add_argument("--batch-size", type=_positive(int), default=None,
+                   help="global, in sequences (default 8 per rank)")
+    p.add_argument("--seq-len", type=_positive(int), default=1024)
     p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--measure-recompute", type=int, metavar="B",
+    p.add_argument("--measure-recompute", type=_positive(int), metavar="B",
                    help="time a step of B sequences with and without recomputation here, and stop")
-    p.add_argument("--vocab-size", type=int, help="default: the preset's (GPT-2's 50257)")
+    p.add_argument("--vocab-size", type=_positive(int), help="default: the preset's (GPT-2's 50257)")
     a = p.parse_args(argv)
+    if a.preset not in {**PRESETS, **MODELS}:
+        p.error(f"argument --preset: unknown model {a.preset!r}: one of {', '.join([*PRESETS, *MODELS])}")
+    batch = a.batch_size or 8 * a.world_size
+    try:
+        check_sizes(batch, a.seq_len, a.world_size, a.budget_gb)
+    except PlanError as e:
+        p.error(f"--batch-size/--world-size: {e}")
     cfg = _config(a.preset)
     if a.vocab_size:
         cfg = GPTConfig(**{**cfg.to_dict(), "vocab_size": a.vocab_size})
@@ -233,7 +273,6 @@ def main(argv=None) -> None:
               f"recomputation {ckpt * 1e3:.0f} ms: +{100 * (ckpt / plain - 1):.0f}% "
               f"(the blocks' forward FLOPs: +{100 * recompute_flops_fraction(cfg, a.seq_len):.0f}%)")
         return
-    batch = a.batch_size or 8 * a.world_size
     print(f"{a.preset}: {config_num_params(cfg) / 1e6:.0f}M parameters, {a.world_size} ranks, batch "
           f"{batch} x {a.seq_len}, {a.precision}, budget {a.budget_gb:g} GB per rank")
     try:

@@ -4,7 +4,8 @@ the notebooks, the tests and the benchmarks.
 Chapter 04 (chapters/04_grad_accum.md) explains forward_backward (accumulation and the
 token-weighted loss); chapter 01 the schedule and evaluation, chapter 07 make_optimizers
 (Muon beside AdamW), chapter 03 gradient_sync (whatever averages the gradients, behind one
-interface). Exercised by
+interface). Between the steps: whether the state is finite (a checkpoint's condition),
+a signal turned into a clean stop, and where a run resumes from (find_resume). Exercised by
 `torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py` and
 `pytest tests/test_grad_accum.py`.
 """
@@ -18,56 +19,59 @@ import torch
 import torch.distributed as dist
 
 from minidist.ddp import DDP, FlatDDP, NaiveDDP
+from minidist.mesh import MeshSync
 from minidist.muon import Muon, split_params
 from minidist.scaler import LossScaler, autocast
-from minidist.zero import MuonUnderZero, MuonUnderZero3, zero_optimizer
+from minidist.zero import muon_for_zero, muon_under_zero, zero_optimizer
 
 
-def make_optimizers(model, args) -> list[torch.optim.Optimizer]:
+def make_optimizers(model, args, group=None) -> list[torch.optim.Optimizer]:
     """AdamW (weight decay on matrices only), sharded by ZeRO when asked; or Muon for the
     hidden matrices plus AdamW for embeddings, head, gains and biases (under ZeRO stages
     1-2 AdamW's in the shards, Muon's matrices whole; at stage 3 Muon's matrices sharded
     too, by the ZeRO-3 optimizer, for Muon to update: gradient_sync joins them). Each group
-    remembers its peak lr."""
+    remembers its peak lr. `group`: the ranks ZeRO shards over (chapter 10's mesh: the
+    data-parallel group; all ranks by default)."""
     hidden, rest = split_params(model) if args.optimizer == "muon" else ([], list(model.parameters()))
     groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": args.weight_decay},
               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
     adamw = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     if args.zero_stage:  # ZeRO averages the gradients itself, with reduce-scatters
-        others = dict(others=hidden) if args.zero_stage == 3 else {}  # ZeRO-3 shards them too
-        opts = [zero_optimizer(model, groups, torch.optim.AdamW, args.zero_stage,
-                               bucket_cap_mb=args.bucket_cap_mb, **others, **adamw)]
+        opts = [zero_optimizer(model, groups, torch.optim.AdamW, args.zero_stage,  # (stage 3 shards
+                               bucket_cap_mb=args.bucket_cap_mb, others=hidden, group=group, **adamw)]
     else:
         opts = [torch.optim.AdamW(groups, **adamw)]
     if hidden:
-        opts.append(Muon(hidden, lr=args.muon_lr, momentum=args.muon_momentum,
-                         weight_decay=args.muon_weight_decay,
-                         ns_coefficients=getattr(args, "muon_ns_coefficients", "jordan")))
+        muon = dict(lr=args.muon_lr, momentum=args.muon_momentum, weight_decay=args.muon_weight_decay,
+                    ns_coefficients=getattr(args, "muon_ns_coefficients", "jordan"))
+        opts.append(muon_for_zero(opts[0], hidden, **muon) if args.zero_stage else Muon(hidden, **muon))
     for g in (g for o in opts for g in o.param_groups):
         g["peak_lr"] = g["lr"]
     return opts
 
 
-def gradient_sync(model, opts, args):
+def gradient_sync(model, opts, args, mesh=None):
     """What averages the gradients across ranks, behind the gradient-sync interface of
     minidist/ddp.py (no_sync, finish_gradient_synchronization, clip_grad_norm_): under
     ZeRO the optimizer itself (it reduce-scatters them), with Muon beside it
     MuonUnderZero (AdamW's shards, and Muon's matrices reduce-scattered to their owners);
-    otherwise DDP as --dp asks."""
+    otherwise DDP as --dp asks. On a dp x tp mesh (chapter 10) that averaging runs over
+    the dp group, and MeshSync adds the norm over the tensor-parallel shards."""
+    group = None if mesh is None else mesh.dp_group
     if args.zero_stage:
         muons = [o for o in opts if isinstance(o, Muon)]
-        if not muons:
-            return opts[0]
-        return (MuonUnderZero3 if args.zero_stage == 3 else MuonUnderZero)(opts[0], muons[0])
-    if args.dp == "naive":
-        return NaiveDDP(model)
-    if args.dp == "flat":
-        return FlatDDP(model)
-    return DDP(model, bucket_cap_mb=args.bucket_cap_mb)
+        sync = muon_under_zero(opts[0], muons[0]) if muons else opts[0]
+    elif args.dp == "naive":
+        sync = NaiveDDP(model, group=group)
+    elif args.dp == "flat":
+        sync = FlatDDP(model, group=group)
+    else:
+        sync = DDP(model, bucket_cap_mb=args.bucket_cap_mb, group=group)
+    return sync if mesh is None or mesh.tp == 1 else MeshSync(sync, mesh.tp_group)
 
 
 def forward_backward(model, micro_batches, world_size: int, sync=None,
-                     scaler: LossScaler | None = None, precision: str = "fp32") -> float:
+                     scaler: LossScaler | None = None, precision: str = "fp32", group=None) -> float:
     """Gradients of one optimizer step over this rank's micro-batches; returns the loss.
 
     The loss is normalised by the number of target tokens in the whole global batch (all
@@ -79,11 +83,13 @@ def forward_backward(model, micro_batches, world_size: int, sync=None,
     no_sync(), with no communication until the gradients are complete, and when this
     returns its finish_gradient_synchronization() has run, so the gradients are averaged.
     The forward pass runs under autocast at `precision`; with a scaler, the loss is
-    multiplied by its scale before backward.
+    multiplied by its scale before backward. `group` (chapter 10's mesh): the ranks whose
+    batches make up the global batch, the data-parallel group, of `world_size` ranks; the
+    tensor-parallel ranks of one replica share their batch and compute one loss together.
     """
     # tokens in the global batch: one tiny collective per step (float64: exact counts)
     count = sum((y != -1).sum() for _, y in micro_batches).double().reshape(1)
-    dist.all_reduce(count)
+    dist.all_reduce(count, group=group)
     if count.item() == 0:
         raise ValueError("every target in this global batch is masked (-1): nothing to learn from")
     total = torch.zeros((), dtype=torch.float64, device=count.device)
@@ -97,7 +103,7 @@ def forward_backward(model, micro_batches, world_size: int, sync=None,
         total += loss_sum.detach().double()
     if sync is not None:  # naive and flat all-reduce now; DDP and ZeRO have (no-op)
         sync.finish_gradient_synchronization()
-    dist.all_reduce(total)  # for the log: the global batch's mean loss per token
+    dist.all_reduce(total, group=group)  # for the log: the global batch's mean loss per token
     return (total / count).item()
 
 
@@ -110,7 +116,36 @@ def lr_at(step: int, args) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, loader, info, tok_bytes, max_windows=None, precision="fp32") -> tuple[float, float]:
+def finite_state(model, optimizers, scaler: LossScaler | None = None) -> bool:
+    """Whether everything a checkpoint would hold is finite on every rank: the parameters
+    and buffers, every optimizer's state (under ZeRO, this rank's shards, which are the
+    state's keys) and the loss scale. One small all-reduce, so every rank gets the same
+    answer and saves, or skips the save, together. A NaN in any of them and the
+    checkpoint would be the newest one, replacing a good one."""
+    def tensors():
+        yield from model.parameters()
+        yield from model.buffers()
+        for opt in optimizers:
+            for holder, state in opt.state.items():
+                yield holder
+                yield from state.values()
+    def present(t):  # ZeRO-3's parameters at rest have no storage: their values are the shards
+        return t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
+    ok = all(torch.isfinite(t).all() for t in tensors()
+             if torch.is_tensor(t) and t.is_floating_point() and t.numel() and present(t))
+    if scaler is not None and scaler.enabled and not math.isfinite(scaler.get_scale()):
+        ok = False
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
+        flag = torch.tensor([int(ok)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        ok = bool(flag.item())
+    return bool(ok)
+
+
+@torch.no_grad()
+def evaluate(model, loader, info, tok_bytes, max_windows=None, precision="fp32",
+             group=None) -> tuple[float, float]:
     """(mean loss in nats per token, bits per byte) over the validation windows, all
     ranks sharing the work, the forward pass in the training precision. Bits per byte
     divides by the UTF-8 bytes of the predicted tokens, so it compares across tokenizers."""
@@ -125,7 +160,7 @@ def evaluate(model, loader, info, tok_bytes, max_windows=None, precision="fp32")
         sums += torch.tensor([loss.item(), y.numel(), tok_bytes[w[:, 1:].numpy()].sum()],
                              dtype=torch.float64)
     sums = sums.to(info.device)
-    dist.all_reduce(sums)
+    dist.all_reduce(sums, group=group)  # (the data-parallel group: tp ranks share windows)
     model.train()
     nats, n, nbytes = sums.tolist()
     return nats / n, nats / math.log(2) / max(nbytes, 1)

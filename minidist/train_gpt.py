@@ -16,7 +16,9 @@ line per logged step and writes metrics.jsonl, loss.png and summary.json to --ou
 
 from __future__ import annotations
 
+import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -26,25 +28,60 @@ import torch.distributed as dist
 
 from minidist import checkpoint, data, faults, metrics
 from minidist.ddp import broadcast_module
-from minidist.dist import cleanup, init
-from minidist.flags import agree_across_ranks, build_parser, make_scaler, resolve_args
-from minidist.model import GPT, PRESETS, GPTConfig, flops_per_token, num_params
+from minidist.mesh import make_mesh
+from minidist.tensor_parallel_gpt import parallelize
+from minidist.dist import OutDirInUse, acquire_lock, cleanup, init, release_lock
+from minidist.flags import agree_across_ranks, build_parser, make_scaler, resolve_args, world_size_from_env
+from minidist.model import GPT, PRESETS, GPTConfig, config_num_params, flops_per_token
 from minidist.muon import check_routing
 from minidist.recompute import set_activation_checkpointing
-from minidist.train import evaluate, forward_backward, gradient_sync, lr_at, make_optimizers
-
+from minidist.faults import StopOnSignal, any_signal, is_collective_failure
+from minidist.train import evaluate, finite_state, forward_backward, gradient_sync, lr_at, make_optimizers
 
 def main(argv=None) -> dict:
-    args = build_parser().parse_args(argv)
-    args = resolve_args(args, int(os.environ.get("WORLD_SIZE", 1)))
-    # Data is prepared before the process group exists: each rank tokenizes if needed
-    # (writes are atomic, so ranks racing on a fresh cache write the same bytes).
-    train_glob, val_glob = args.data, args.val_data
-    if args.data is None:
-        root = data.default_data_dir(args.tokenizer)
-        data.prepare_shakespeare(root, args.tokenizer)
-        train_glob, val_glob = f"{root}/train_*.bin", f"{root}/val_*.bin"
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = resolve_args(build_parser().parse_args(argv), world_size_from_env())
+    # One run per --out-dir: rank 0 holds its lock from here to the end, however it ends
+    # (minidist.dist.acquire_lock). Every check above ran first: a refused run did nothing.
+    rank0 = os.environ.get("RANK", "0") == "0"
+    try:
+        held = acquire_lock(args.out_dir) if rank0 else None
+    except OutDirInUse as e:
+        build_parser().error(str(e))
+    try:
+        with StopOnSignal() as stop:
+            return _run(args, argv, stop, rank0)
+    finally:
+        release_lock(held)
+
+
+def _prepare_data(args, rank0: bool) -> tuple[str, str]:
+    """The train and validation shards' globs. The default corpus is tokenized (once) into
+    the data cache before the process group exists: each rank does it if needed (writes
+    are atomic, so ranks racing on a fresh cache write the same bytes), and a cache found
+    damaged is written again."""
+    if args.data is not None:
+        return args.data, args.val_data
+    root = data.default_data_dir(args.tokenizer)
+    try:
+        data.prepare_shakespeare(root, args.tokenizer, log=print if rank0 else None)
+    except (OSError, ValueError, ImportError) as e:
+        what = f"{e.strerror} ({e.filename})" if isinstance(e, OSError) and e.strerror else str(e)
+        build_parser().error(f"the data cache {root}: {what}: set MINIDIST_DATA to a writable folder, "
+                             f"or write it again with python -m minidist.data --tokenizer {args.tokenizer}")
+    return f"{root}/train_*.bin", f"{root}/val_*.bin"
+
+
+def _run(args, argv, stop, rank0) -> dict:
+    train_glob, val_glob = _prepare_data(args, rank0)
     info = init(device=args.device)
+    try:
+        return _train(args, argv, stop, info, train_glob, val_glob)
+    finally:
+        cleanup()
+
+
+def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
     agree_across_ranks(vars(args))  # ranks started with different flags fail here, together
     if args.debug_collectives:
         faults.trace_collectives()
@@ -60,24 +97,28 @@ def main(argv=None) -> dict:
                        **{k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd")
                           if getattr(args, k) is not None}})
     model = GPT(cfg).to(info.device)
-    set_activation_checkpointing(model, args.activation_checkpointing == "blocks")  # chapter 09
     broadcast_module(model)  # identical start on every rank, whatever the seeds did
-    opts = make_optimizers(model, args)
-    sync = gradient_sync(model, opts, args)  # DDP (--dp), or the ZeRO optimizer: averages gradients
+    # chapter 10: the ranks as a dp x tp grid; each replica's tp ranks hold slices of its
+    # layers (cut from the identical full model) and share its batch
+    mesh = make_mesh(tp=args.tp) if args.tp > 1 else None
+    dp, dp_rank, group = (mesh.dp, mesh.dp_rank, mesh.dp_group) if mesh else (info.world_size, info.rank, None)
+    if mesh:
+        model = parallelize(model, mesh.tp_group, args.sequence_parallel)
+    set_activation_checkpointing(model, args.activation_checkpointing == "blocks")  # chapter 09
+    opts = make_optimizers(model, args, group)
+    sync = gradient_sync(model, opts, args, mesh)  # DDP (--dp), or the ZeRO optimizer: averages gradients
     scaler = make_scaler(args)
     k = args.grad_accum_steps  # loader step s * k + m is micro-step m of optimizer step s
-    train = data.TokenLoader(train_glob, args.seq_len, args.batch_size // k, info.rank,
-                             info.world_size, args.seed)
-    val = data.TokenLoader(val_glob, args.seq_len, args.batch_size, info.rank,
-                           info.world_size, args.seed)
+    train = data.TokenLoader(train_glob, args.seq_len, args.batch_size // k, dp_rank, dp, args.seed)
+    val = data.TokenLoader(val_glob, args.seq_len, args.batch_size, dp_rank, dp, args.seed)
     tok_bytes = data.token_bytes(enc)
     fpt = flops_per_token(cfg, args.seq_len)
     dist.barrier()  # on CPU, every rank measures its matmul peak at the same time,
     peak, peak_src = metrics.peak_flops(info.device, args.precision)  # sharing the cores as in training
     log(f"minidist | {info.world_size} x {info.device.type} ({info.backend}) | {args.preset}: "
-        f"{num_params(model) / 1e6:.2f}M params, {cfg.n_layer}L {cfg.n_head}H {cfg.n_embd}d, "
+        f"{config_num_params(cfg) / 1e6:.2f}M params, {cfg.n_layer}L {cfg.n_head}H {cfg.n_embd}d, "
         f"vocab {cfg.vocab_size} ({args.tokenizer}) | batch {args.batch_size} x {args.seq_len} "
-        f"tokens ({k} micro-step{'s' if k > 1 else ''}) | dp {args.dp} | {args.precision} | {args.optimizer}{f' zero-{args.zero_stage}' if args.zero_stage else ''} | {args.steps} steps | MFU vs {peak_src}")
+        f"tokens ({k} micro-step{'s' if k > 1 else ''}) | dp {args.dp}{f' x {dp}, tp {args.tp}' + (' + sequence parallel' if args.sequence_parallel else '') if mesh else ''} | {args.precision} | {args.optimizer}{f' zero-{args.zero_stage}' if args.zero_stage else ''} | {args.steps} steps | MFU vs {peak_src}")
     if args.plan:  # chapter 09: what the planner chose for the "auto" flags, and why
         log(f"plan | {args.plan}")
 
@@ -89,63 +130,105 @@ def main(argv=None) -> dict:
             torch.manual_seed(args.seed + start)
         log(f"resumed from {args.resume} at step {start} (saved by {meta['world_size']} ranks)")
     rows = metrics.MetricsFile(out / "metrics.jsonl", rows, write=info.is_main)  # appended as it goes
+    run = metrics.Ending(args, argv, info.world_size, info.is_main, rows,
+                         good=Path(args.resume) if args.resume else None)
+
+    def facts() -> dict:  # for summary.json, however the run ends
+        return {"skipped_steps": scaler.skipped_steps, "loss_scale": scaler.get_scale(),
+                "device": info.device.type, "params": config_num_params(cfg)}
     watch = metrics.LossWatch(args)  # a loss non-finite for steps in a row stops the run
     tput, t_start = metrics.Throughput(), time.perf_counter()
     check_muon_routing = args.optimizer == "muon"  # once, after the first step taken (ch. 07)
-    for step in range(start, args.steps):
-        lr = lr_at(step, args)
-        for g in (g for o in opts for g in o.param_groups):
-            g["lr"] = g["peak_lr"] * lr / args.lr  # every group on the same schedule
-        micro = [tuple(t.to(info.device) for t in train.batch(step * k + m)) for m in range(k)]
-        loss = forward_backward(model, micro, info.world_size, sync, scaler, args.precision)
-        for o in opts:  # the gradients are averaged now
-            scaler.unscale_(o)  # true gradients before clipping (a no-op unless fp16)
-        if args.grad_clip > 0:
-            sync.clip_grad_norm_(args.grad_clip)  # the norm of the whole averaged gradient
-        for o in opts:
-            scaler.step(o)  # skipped if a gradient overflowed on any rank
-            o.zero_grad(set_to_none=True)
-        scaler.update()
-        if check_muon_routing and not scaler.last_step_skipped:
-            check_routing(model, opts)  # each hidden matrix stepped by Muon, nothing else by it
-            check_muon_routing = False
-        watch.check(step + 1, loss)
-        tput.add(args.batch_size * args.seq_len)
+    loss, step = math.nan, start - 1
+    try:
+        for step in range(start, args.steps):
+            lr = lr_at(step, args)
+            for g in (g for o in opts for g in o.param_groups):
+                g["lr"] = g["peak_lr"] * lr / args.lr  # every group on the same schedule
+            micro = [tuple(t.to(info.device) for t in train.batch(step * k + m)) for m in range(k)]
+            loss = forward_backward(model, micro, dp, sync, scaler, args.precision, group)
+            for o in opts:  # the gradients are averaged now
+                scaler.unscale_(o)  # true gradients before clipping (a no-op unless fp16)
+            if args.grad_clip > 0:
+                sync.clip_grad_norm_(args.grad_clip)  # the norm of the whole averaged gradient
+            for o in opts:
+                scaler.step(o)  # skipped if a gradient overflowed on any rank
+                o.zero_grad(set_to_none=True)
+            scaler.update()
+            if check_muon_routing and not scaler.last_step_skipped:
+                check_routing(model, opts)  # each hidden matrix stepped by Muon, nothing else by it
+                check_muon_routing = False
+            diverged = None
+            try:  # the loss is all-reduced: every rank decides alike
+                watch.check(step + 1, loss)
+            except metrics.NonFiniteLoss as e:
+                diverged = str(e)
+            signum = any_signal(stop.signum)  # every rank stops at the same step
+            tput.add(args.batch_size * args.seq_len)
 
-        last = step == args.steps - 1
-        if step == 0 or last or (step + 1) % args.log_interval == 0 or (step + 1) % args.eval_interval == 0:
-            row = {"step": step + 1, "loss": loss, "lr": lr}
-            if scaler.enabled:
-                row.update(loss_scale=scaler.get_scale(), skipped_steps=scaler.skipped_steps)
-            rate = tput.rate()  # training only: evaluation below is not counted
-            if (step + 1) % args.eval_interval == 0 and not last:
-                row["val_loss"], _ = evaluate(model, val, info, tok_bytes, args.eval_windows,
-                                              args.precision)
-                tput.rate()  # restart the clock after evaluating
-            m = metrics.mfu(fpt, rate, peak, info.world_size)
-            row.update(tokens_per_s=rate, mfu=m, mem_gb=metrics.memory_bytes(info.device) / 1e9,
-                       elapsed_s=time.perf_counter() - t_start)
-            rows.append(row)
-            log(f"step {step + 1:5d}/{args.steps} | loss {row['loss']:.4f}"
-                + (f" | val {row['val_loss']:.4f}" if "val_loss" in row else "")
-                + f" | lr {lr:.2e}"
-                + (f" | scale {scaler.get_scale():g} ({scaler.skipped_steps} skipped)" if scaler.enabled else "")
-                + f" | {rate:,.0f} tok/s | MFU "
-                + (f"{100 * m:.1f}%" if m is not None else "n/a")
-                + f" | mem {row['mem_gb']:.2f} GB")
-        if args.checkpoint_every and ((step + 1) % args.checkpoint_every == 0 or last):
-            checkpoint.save(out / "checkpoints", step + 1, model, opts, scaler, keep=args.keep_checkpoints,
-                            extra={"settings": vars(args), "rows": rows, "config": cfg.to_dict()})
-        faults.inject_fault("step", step + 1, info.rank)
+            last = step == args.steps - 1
+            ending = diverged is not None or bool(signum)
+            if step == 0 or last or ending or (step + 1) % args.log_interval == 0 or \
+                    (step + 1) % args.eval_interval == 0:
+                row = {"step": step + 1, "loss": loss, "lr": lr}
+                if scaler.enabled:
+                    row.update(loss_scale=scaler.get_scale(), skipped_steps=scaler.skipped_steps)
+                rate = tput.rate()  # training only: evaluation below is not counted
+                if (step + 1) % args.eval_interval == 0 and not (last or ending):
+                    row["val_loss"], _ = evaluate(model, val, info, tok_bytes, args.eval_windows,
+                                                  args.precision, group)
+                    tput.rate()  # restart the clock after evaluating
+                m = metrics.mfu(fpt, rate, peak, info.world_size)
+                row.update(tokens_per_s=rate, mfu=m, mem_gb=metrics.memory_bytes(info.device) / 1e9,
+                           elapsed_s=time.perf_counter() - t_start)
+                rows.append(row)
+                log(f"step {step + 1:5d}/{args.steps} | loss {row['loss']:.4f}"
+                    + (f" | val {row['val_loss']:.4f}" if "val_loss" in row else "")
+                    + f" | lr {lr:.2e}"
+                    + (f" | scale {scaler.get_scale():g} ({scaler.skipped_steps} skipped)" if scaler.enabled else "")
+                    + f" | {rate:,.0f} tok/s | MFU "
+                    + (f"{100 * m:.1f}%" if m is not None else "n/a")
+                    + f" | mem {row['mem_gb']:.2f} GB")
+            if args.checkpoint_every and diverged is None and \
+                    ((step + 1) % args.checkpoint_every == 0 or last or ending):  # (a signal: saved)
+                _save(run, step + 1, loss, model, opts, scaler, cfg, args)
+            faults.inject_fault("step", step + 1, info.rank)
+            if diverged is not None:
+                run.stop("diverged", f"stopped: {diverged}", step + 1, facts(), since=watch.since)
+            if signum:
+                run.stop("interrupted", f"stopped at step {step + 1} by {signal.Signals(signum).name}",
+                         step + 1, facts(), exit_code=128 + signum)
+        # a loss or weights that turned non-finite in the last steps, too few to stop the
+        # run: it ends diverged (no checkpoint was written from them), not with val loss nan
+        if step >= start and not (math.isfinite(loss) and finite_state(model, opts, scaler)):
+            since = watch.since or step + 1
+            run.stop("diverged", f"the run diverged: the {'loss' if watch.since else 'model'} became "
+                     f"non-finite at step {since} and stayed so to the last step, {step + 1}",
+                     step + 1, facts(), since=since)
+        signum = any_signal(stop.signum)  # asked to stop as the training ended: no final evaluation
+        if signum:
+            run.stop("interrupted", f"stopped after the last step, {step + 1}, by "
+                     f"{signal.Signals(signum).name}, before the final evaluation", step + 1,
+                     facts(), exit_code=128 + signum)
+    except metrics.RunStopped:
+        rows.close()
+        raise
+    except Exception as e:  # a rank lost, a collective that timed out, an error here
+        run.failed(e, step + 1, facts(), collective=is_collective_failure(e))
+        rows.close()
+        if is_collective_failure(e):  # a consequence: the rank that failed says why
+            raise metrics.RunStopped(str(e)) from e
+        raise
 
     # by default the whole validation split
-    val_loss, bpb = evaluate(model, val, info, tok_bytes, args.final_eval_windows, args.precision)
+    val_loss, bpb = evaluate(model, val, info, tok_bytes, args.final_eval_windows, args.precision, group)
     train_s = time.perf_counter() - t_start
     rows.append({"step": args.steps, "val_loss": val_loss, "val_bpb": bpb})
-    summary = {"val_loss": val_loss, "val_bpb": bpb, "train_seconds": train_s,
+    summary = {"ended": "completed", "val_loss": val_loss, "val_bpb": bpb, "train_seconds": train_s,
                "skipped_steps": scaler.skipped_steps, "loss_scale": scaler.get_scale(),
                "world_size": info.world_size, "device": info.device.type,
-               "params": num_params(model), "config": cfg.to_dict(), "args": vars(args)}
+               "params": config_num_params(cfg), "config": cfg.to_dict(), "args": vars(args),
+               "checkpoint": run.good and str(run.good)}
     # every rank samples (the same text, same seed): under ZeRO-3 each forward is collective
     g = torch.Generator(device=info.device).manual_seed(args.seed)
     prompt = torch.tensor([[enc.eot_token]], device=info.device)
@@ -158,9 +241,27 @@ def main(argv=None) -> dict:
         log(f"final | val loss {val_loss:.4f} nats/token | {bpb:.3f} bits/byte | "
             f"trained {train_s:.0f}s\n--- sample ---\n{sample}\n--- "
             f"metrics.jsonl, loss.png, summary.json in {out}/")
-    cleanup()
     return {**summary, "rows": list(rows)}  # plain rows: the file behind them is closed
 
 
+def _save(run, step, loss, model, opts, scaler, cfg, args) -> None:
+    """A checkpoint, unless the loss or anything it would hold is not finite: such a
+    checkpoint would become the newest, and pruning would delete the good ones."""
+    finite_loss = math.isfinite(loss)
+    if finite_loss:
+        try:  # (checkpoint.save itself refuses non-finite weights, optimizer state, loss scale)
+            run.good = checkpoint.save(Path(args.out_dir) / "checkpoints", step, model, opts, scaler,
+                                       keep=args.keep_checkpoints, extra={"settings": vars(args),
+                                                                          "rows": run.rows, "config": cfg.to_dict()})
+            return
+        except checkpoint.NonFiniteCheckpointError:
+            pass
+    run.say(f"step {step}: no checkpoint saved: the {'loss is' if not finite_loss else 'model or optimizer state is'} "
+            f"not finite; the newest good one stays {run.good or 'none'}")
+
+
 if __name__ == "__main__":
-    sys.exit(main() and 0)
+    try:
+        main()
+    except metrics.RunStopped as e:  # its line is printed (rank 0) and summary.json written
+        sys.exit(e.exit_code)

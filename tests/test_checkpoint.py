@@ -96,11 +96,24 @@ def test_reshard_between_world_sizes_and_stages(tmp_path, optimizer, pool):
 
 
 def _buffers_and_a_failed_write(root):
-    """A model with a persistent buffer round-trips; then rank 1's write fails."""
+    """A model with a persistent buffer round-trips; a NaN that only rank 1 would write
+    stops the save on both ranks; then rank 1's write fails."""
     torch.manual_seed(dist.get_rank())  # different on each rank: only rank i mod N's copy is saved
     model = torch.nn.Linear(3, 2)
     model.register_buffer("count", torch.arange(4.0) + 10)
     checkpoint.save(root, 1, model, [])
+    # rank 1 writes the bias (the weight, larger, goes to rank 0): NaN there, on rank 1 only
+    with torch.no_grad():
+        saved_bias = model.bias.clone()
+        if dist.get_rank() == 1:
+            model.bias[0] = float("nan")
+    try:
+        checkpoint.save(root, 3, model, [])
+        non_finite = None
+    except checkpoint.NonFiniteCheckpointError as e:
+        non_finite = e.what
+    with torch.no_grad():
+        model.bias.copy_(saved_bias)
     fresh = torch.nn.Linear(3, 2)
     fresh.register_buffer("count", torch.zeros(4))
     checkpoint.load(root + "/step_00000001", fresh, [])
@@ -114,14 +127,23 @@ def _buffers_and_a_failed_write(root):
     try:
         checkpoint.save(root, 2, model, [])
     except RuntimeError as e:
-        return ok, torch.equal(same[0], same[1]), str(e)
-    return ok, torch.equal(same[0], same[1]), None
+        return ok, torch.equal(same[0], same[1]), str(e), non_finite
+    return ok, torch.equal(same[0], same[1]), None, non_finite
 
 
 def test_buffers_are_saved_and_a_failed_write_fails_every_rank(tmp_path):
     results = launch(_buffers_and_a_failed_write, 2, str(tmp_path), timeout_s=60)
-    for ok, same, error in results:  # every rank, not just the one whose disk filled up
+    for ok, same, error, non_finite in results:  # every rank, not just the one whose disk filled up
         assert ok and same
         assert error and "step_00000002 was not saved (rank 1" in error, error
+        assert non_finite == ["model"]  # rank 0 too, though its own copy of the bias is finite
     assert "(rank 1: [Errno 28] No space left on device; free space in" in results[1][2]  # and why, where it happened
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step_00000001"]
+    # each rank's file is bound to its rank: the two files swapped are damage, named
+    one = tmp_path / "step_00000001"
+    assert checkpoint.verify(one) == []
+    a, b = one / "shard_00000_of_00002.pt", one / "shard_00001_of_00002.pt"
+    a_bytes = a.read_bytes()
+    a.write_bytes(b.read_bytes())
+    b.write_bytes(a_bytes)
+    assert "shard_00000_of_00002.pt: holds rank 1's shard, under rank 0's name" in checkpoint.verify(one)[0]

@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from minidist import cost_model as cm
-from minidist.bench import __main__ as cli, collectives
+from minidist import memory as M
+from minidist.bench import __main__ as cli, collectives, scale
 from minidist.model import GPT, PRESETS, GPTConfig, config_num_params, num_params
 from conftest import run
 
@@ -109,6 +110,37 @@ def test_memory_per_gpu_shrinks_with_stage_and_flags_what_does_not_fit():
     assert cm.memory_per_gpu(cm.MODELS["124M"], "dp", 64)["fits_80GB"]
 
 
+def test_the_models_at_scale_are_presets():
+    """One table of sizes: the cost model's models are minidist.model.PRESETS entries,
+    with GPT-2's vocabulary (GPTConfig's default) added, nothing else."""
+    assert set(cm.MODELS) == set(cm.SCALE_PRESETS) == {"124M", "350M", "1.3B", "7B"}
+    for label, name in cm.SCALE_PRESETS.items():
+        assert cm.MODELS[label] == GPTConfig(**PRESETS[name]) and cm.MODELS[label].vocab_size == 50257
+    sizes = {label: config_num_params(cfg) / 1e9 for label, cfg in cm.MODELS.items()}
+    assert [round(v, 2) for v in sizes.values()] == [0.12, 0.35, 1.31, 6.65]  # the labels say it
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_memory_per_gpu_is_the_memory_models_parts(preset):
+    """One memory model: at every size, stage and N, the cost model's memory per GPU is
+    minidist.memory.step_memory's model states, activations and ZeRO-3 gathered parameters,
+    to the byte, and no more than its peak (which adds backward's transients)."""
+    cfg = GPTConfig(**PRESETS[preset])
+    for n in (1, 8, 1024):
+        for stage, strategy in enumerate(cm.STRATEGIES):
+            for ck in (False, True):
+                got = cm.memory_per_gpu(cfg, strategy, n, micro_batch=4, checkpointed=ck)
+                step = M.step_memory(cfg, 4, cfg.block_size, n, stage, ck, "bf16")
+                state = step["params"] + step["grads"] + step["optimizer"]
+                act = M.activation_bytes(cfg, 4, cfg.block_size, "bf16", ck)
+                gathered = M.zero3_gathered_bytes(cfg) if stage == 3 else 0.0
+                assert got["state_GB"] * cm.GB == pytest.approx(state, rel=1e-12)
+                assert step["activations"] == act  # step_memory's own, exact, integers
+                assert got["activations_GB"] * cm.GB == pytest.approx(act, rel=1e-12)
+                assert got["total_GB"] * cm.GB == pytest.approx(state + act + gathered, rel=1e-12)
+                assert got["total_GB"] * cm.GB <= step["peak"]
+
+
 def _simulate(c, k, t, feeds_compute):
     """Event by event, on one link: k transfers of c seconds, k compute slices of t/k.
     feeds_compute (ZeRO-3): slice i needs transfer i, and transfer i+1 may start once
@@ -165,7 +197,7 @@ def test_comparison_with_this_machine_uses_the_fit(tmp_path):
     (tmp_path / "collectives.json").write_text(json.dumps({"alpha_beta": {"2": fit}}))
     step = {"no_comm": 0.3, "bucketed:1:no_overlap": 0.34, "bucketed:1": 0.33}
     (tmp_path / "ddp.json").write_text(json.dumps({"step_s": step}))
-    rows = {r["what"]: r for r in cm.compare_with_measured(tmp_path)}
+    rows = {r["what"]: r for r in scale.compare_with_measured(tmp_path)}
     no_overlap = rows["DDP exposed comm, N=2, no overlap (ms)"]
     S = 4 * config_num_params(TINY)
     k = math.ceil(S / 2**20)

@@ -166,3 +166,46 @@ def test_loader_rejects_batch_that_does_not_divide(shards):
         data.TokenLoader(shards, 9, 6, 0, 4)
     with pytest.raises(FileNotFoundError, match="python -m minidist.data"):
         data.TokenLoader(shards + "nothing", 9, 4)
+
+
+@pytest.fixture
+def small_corpus(monkeypatch):
+    # a few lines per split: the cache's checks and rewrites, without tokenizing Shakespeare
+    monkeypatch.setattr(data, "corpus_split", lambda split: [f"{split}: to be, or not to be.\n"] * 5)
+
+
+DAMAGE = {  # what can happen to a cached shard or its meta.json
+    "cut short": lambda out: _rewrite(out / "val_000000.bin", lambda b: b[:-3]),
+    "header and size agree, but not with meta.json": lambda out: _rewrite(
+        out / "train_000000.bin", lambda b: b[:8] + (len(b) // 2 - 513).to_bytes(4, "little") + b[12:-2]),
+    "a shard missing": lambda out: (out / "train_000000.bin").unlink(),
+    "meta.json not JSON": lambda out: (out / "meta.json").write_text("{"),
+    "meta.json not a cache's": lambda out: (out / "meta.json").write_text("[1, 2]"),
+}
+
+
+def _rewrite(path, change):
+    path.write_bytes(change(path.read_bytes()))
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_damaged_cache_is_found_and_written_again(damage, tmp_path, small_corpus, capsys):
+    meta = data.prepare_shakespeare(tmp_path, "gpt2-512")
+    whole = {f.name: f.read_bytes() for f in tmp_path.iterdir()}
+    capsys.readouterr()
+    assert data.prepare_shakespeare(tmp_path, "gpt2-512") == meta and not capsys.readouterr().out  # intact
+    DAMAGE[damage](tmp_path)
+    assert data.prepare_shakespeare(tmp_path, "gpt2-512") == meta  # what train_gpt calls before init
+    said = capsys.readouterr().out
+    assert said.count("\n") == 1 and "is damaged" in said and "writing it again" in said, said
+    assert {f.name: f.read_bytes() for f in tmp_path.iterdir()} == whole
+
+
+def test_the_data_cli_rewrites_a_damaged_cache(tmp_path, small_corpus, capsys):
+    data.main(["--out", str(tmp_path), "--tokenizer", "gpt2-512"])
+    shard = tmp_path / "val_000000.bin"
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[:-5])
+    capsys.readouterr()
+    data.main(["--out", str(tmp_path), "--tokenizer", "gpt2-512"])  # named, and written again
+    assert f"{shard}: header says" in capsys.readouterr().out and shard.read_bytes() == whole

@@ -86,6 +86,17 @@ def test_saved_bytes_match_the_formula(B, T, d, H, L, V, checkpointed, precision
     assert counted["total"] == pytest.approx(M.activation_bytes(cfg, B, T, precision, checkpointed), rel=0.05)
 
 
+def test_one_memory_model_and_its_units():
+    """The formulas chapter 09 derives are the ones chapter 08's tables use at scale (the
+    same functions, held in minidist.cost_model), and gib() prints GiB."""
+    from minidist import cost_model as cm
+    for name in ("activation_bytes", "block_activation_bytes", "head_activation_bytes",
+                 "zero3_gathered_bytes", "model_state_bytes", "GB"):
+        assert getattr(M, name) is getattr(cm, name), name
+    assert M.gib(3 * 2**30) == "3.00 GiB" and M.gib(2**30 / 10) == "0.10 GiB"
+    assert M.gib(5 * 2**20) == "5.0 MiB"
+
+
 # ---------------------------------------------------------- the step, on 2 ranks
 
 MODEL_ERROR = 0.10  # the stated error of minidist.memory.step_memory's peak on CPU

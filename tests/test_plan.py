@@ -104,3 +104,32 @@ def test_auto_flags_with_a_budget_nothing_fits_fail_before_any_work(capsys):
         resolve_args(build_parser().parse_args(argv), 2)
     err = capsys.readouterr().err
     assert "the planner: nothing fits" in err and "needs" in err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--world-size", "0"], "argument --world-size: must be an integer >= 1"),
+    (["--world-size", "-8"], "argument --world-size: must be an integer >= 1"),
+    (["--world-size", "two"], "argument --world-size: must be an integer >= 1"),
+    (["--budget-gb", "-80"], "argument --budget-gb: must be a finite number > 0"),
+    (["--budget-gb", "nan"], "argument --budget-gb: must be a finite number > 0"),
+    (["--budget-gb=-inf"], "argument --budget-gb: must be a finite number > 0"),
+    (["--batch-size", "-16"], "argument --batch-size: must be an integer >= 1"),
+    (["--seq-len", "0"], "argument --seq-len: must be an integer >= 1"),
+    (["--vocab-size", "0"], "argument --vocab-size: must be an integer >= 1"),
+    (["--measure-recompute", "0"], "argument --measure-recompute: must be an integer >= 1"),
+    (["--batch-size", "12", "--world-size", "8"], "does not divide over 8 ranks: use a multiple of 8"),
+    (["--preset", "gpt5"], "unknown model 'gpt5'"),
+])
+def test_planner_arguments_are_checked_before_any_planning(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        P.main(argv)
+    captured = capsys.readouterr()
+    assert e.value.code == 2 and says in captured.err and not captured.out, captured.err
+
+
+@pytest.mark.parametrize("batch, seq_len, world, budget", [
+    (8, 1024, 0, 80), (-8, 1024, 1, 80), (8, -1024, 1, 80), (8, 1024, 1, -80),
+    (8, 1024, 1, float("nan")), (8, 1024, 1, float("inf")), (12, 1024, 8, 80)])
+def test_plan_refuses_sizes_no_run_can_have(batch, seq_len, world, budget):
+    with pytest.raises(P.PlanError):  # (a negative size would have made a plan "fit")
+        P.plan(MODELS["124M"], batch, seq_len, world, budget, "bf16")

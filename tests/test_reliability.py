@@ -9,13 +9,19 @@ import contextlib
 import io
 import json
 import os
+import shlex
 import shutil
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from minidist import checkpoint, data, faults, metrics
-from minidist.flags import MAY_CHANGE_ON_RESUME, build_parser, find_resume, resolve_args
+from minidist import checkpoint, data, dist as mdist, faults, flags, metrics
+from minidist.flags import MAY_CHANGE_ON_RESUME, build_parser, resolve_args
+from minidist.resume import find_resume
 from minidist.launch import launch
 from minidist.model import GPT, GPTConfig
 
@@ -114,6 +120,16 @@ def test_incomplete_unreadable_and_edited_checkpoints(tmp_path, capsys):
     assert checkpoint.verify(tmp_path / "copy") == []  # the intact copy: the checks can pass
 
 
+@pytest.mark.parametrize("text", ["{}", "null", "[1, 2]", '{"extra": 3}'])
+def test_resume_auto_skips_a_meta_json_of_another_shape(text, tmp_path, capsys):
+    root = tmp_path / "checkpoints"
+    _tiny_run(root, {})
+    one, two = checkpoint.list_checkpoints(root)
+    (two / "meta.json").write_text(text)  # JSON, but not a checkpoint's
+    assert find_resume("auto", root, {}) == one
+    assert "skipping step_00000002, damaged" in capsys.readouterr().err
+
+
 def test_a_failed_save_says_what_failed(tmp_path, monkeypatch):
     model, opts = _fresh()
     for errno_, text, says in ((13, "Permission denied", "is not writable"),
@@ -159,10 +175,10 @@ def _resolve(tmp_path, *argv, world=2):
 
 
 @pytest.mark.parametrize("argv, env, message", [
-    (["--lr", "nan"], None, "--lr must be a finite number >= 0, got nan"),
-    (["--lr", "inf"], None, "--lr must be a finite number >= 0, got inf"),
-    (["--weight-decay", "-0.1"], None, "--weight-decay must be a finite number >= 0"),
-    (["--grad-clip", "inf"], None, "--grad-clip must be a finite number"),
+    (["--lr", "nan"], None, "argument --lr: must be a finite number > 0, got 'nan'"),
+    (["--lr", "inf"], None, "argument --lr: must be a finite number > 0, got 'inf'"),
+    (["--weight-decay", "-0.1"], None, "argument --weight-decay: must be a finite number >= 0"),
+    (["--grad-clip", "inf"], None, "argument --grad-clip: must be a finite number"),
     (["--seq-len", "512"], None, "--seq-len 512 is longer than the tiny preset's context (128"),
     (["--n-head", "3"], None, "--n-layer/--n-head/--n-embd: n_embd=128 must be divisible by n_head=3"),
     (["--dp", "flat", "--zero-stage", "1"], None, "--dp flat with --zero-stage 1"),
@@ -218,6 +234,339 @@ def test_resume_compares_resolved_values(tmp_path, capsys):
     assert "n_layer: 4 saved, 2 now" in capsys.readouterr().err
 
 
+# ---- every input, a table of bad values each: exit 2 and one line naming it --------------
+
+def _numeric_flags():
+    """Every flag that takes a number: build_parser's actions whose type checks a range."""
+    p = build_parser()
+    return [a.option_strings[0] for a in p._actions
+            if a.option_strings and a.type is not None and a.dest not in ("zero_stage",)]
+
+
+def test_every_number_flag_has_a_range():
+    # the rule, not a list: no flag reads a bare int or float (which take nan, inf, -1)
+    bare = [a.option_strings[0] for a in build_parser()._actions if a.type in (int, float)]
+    assert not bare, f"flags without a range: {bare}"
+    assert len(_numeric_flags()) >= 25
+
+
+@pytest.mark.parametrize("flag", _numeric_flags())
+def test_every_number_flag_refuses_what_no_run_can_use(flag, capsys):
+    for bad in ("nan", "-1", "x", "1e999"):
+        if flag == "--bucket-cap-mb" and bad == "1e999":
+            continue  # inf: one bucket for everything
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args([flag, bad])
+        last = capsys.readouterr().err.strip().splitlines()[-1]  # usage, then the one line
+        assert e.value.code == 2 and f": error: argument {flag}: must be" in last and repr(bad) in last, last
+
+
+BAD_FLAGS = {  # flag: values that must be refused, and what the message must say
+    "--steps": (["0", "-3", "2.5", "ten"], "an integer >= 1"),
+    "--batch-size": (["0", "-4"], "an integer >= 1"),
+    "--seed": (["-1", str(2**64), str(2**63), "1e3"], "an integer in [0, 2**63)"),
+    "--lr": (["0", "-1", "nan", "inf", "-inf"], "a finite number > 0"),
+    "--dropout": (["1", "-0.1", "nan"], "a number in [0, 1)"),
+    "--min-lr-ratio": (["1.5", "-1"], "a number in [0, 1]"),
+    "--warmup-steps": (["-1"], "an integer >= 0"),
+    "--checkpoint-every": (["-1", "1.5"], "an integer >= 0"),
+    "--keep-checkpoints": (["0"], "an integer >= 1"),
+    "--zero-stage": (["4", "x", "-1"], "0, 1, 2, 3"),
+    "--grad-accum-steps": (["0", "x"], "an integer >= 1"),
+    "--memory-budget-gb": (["0", "nan", "-2"], "a finite number > 0"),
+    "--loss-scale-init": (["0", "inf"], "a finite number > 0"),
+    "--bucket-cap-mb": (["-1", "nan"], "a number of MiB >= 0"),
+    "--n-head": (["0"], "an integer >= 1"),
+    "--sample-tokens": (["-1"], "an integer >= 0"),
+}
+
+
+@pytest.mark.parametrize("flag", sorted(BAD_FLAGS))
+def test_bad_flag_values(flag, tmp_path, capsys):
+    values, says = BAD_FLAGS[flag]
+    for bad in values:
+        with pytest.raises(SystemExit) as e:
+            _resolve(tmp_path, f"{flag}={bad}")  # (= so that argparse reads -inf as a value)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and flag in err and says in err, (bad, err)
+
+
+def _a_file(tmp_path):
+    f = tmp_path / "a_file"
+    f.write_text("not a folder")
+    return str(f)
+
+
+BAD_ENV = [  # (variable, value or a function of tmp_path making one), the message's words
+    ("MINIDIST_TIMEOUT", "abc", "finite number of seconds > 0"),
+    ("MINIDIST_TIMEOUT", "nan", "finite number of seconds > 0"),
+    ("MINIDIST_TIMEOUT", "inf", "finite number of seconds > 0"),
+    ("MINIDIST_TIMEOUT", "-5", "finite number of seconds > 0"),
+    ("MINIDIST_TIMEOUT", "0", "finite number of seconds > 0"),
+    ("MINIDIST_FAULT", "kill:step:x:1", "kill:step|save:STEP:RANK"),
+    ("MINIDIST_DEVICE", "gpu", "'cpu' or 'cuda'"),
+    ("MINIDIST_DATA", _a_file, "is a file, not a folder"),
+    ("WORLD_SIZE", "two", "integer >= 1"),
+    ("WORLD_SIZE", "0", "integer >= 1"),
+]
+
+
+@pytest.mark.parametrize("name, value, says", BAD_ENV, ids=[f"{n}={v if isinstance(v, str) else 'file'}"
+                                                             for n, v, _ in BAD_ENV])
+def test_bad_environment(name, value, says, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(name, value(tmp_path) if callable(value) else value)
+    with pytest.raises(SystemExit) as e:
+        _resolve(tmp_path)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{name}=" in err and says in err, err
+
+
+def test_every_environment_variable_minidist_reads_is_checked():
+    # the package's own reads of MINIDIST_*: each one has its check in flags.ENVIRONMENT
+    import re
+    from conftest import ROOT
+    read = set()
+    for f in (ROOT / "minidist").rglob("*.py"):
+        read |= set(re.findall(r"environ(?:\.get)?[\[(]\"(MINIDIST_\w+)\"", f.read_text()))
+    assert read and read <= set(flags.ENVIRONMENT), read - set(flags.ENVIRONMENT)
+    with pytest.raises(ValueError, match="MINIDIST_TIMEOUT='-5'"):
+        with _env(MINIDIST_TIMEOUT="-5"):
+            mdist.default_timeout_s()
+
+
+@contextlib.contextmanager
+def _env(**values):
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def _meta(text):
+    def make(tmp_path):
+        d = tmp_path / "ckpt"
+        d.mkdir()
+        (d / "meta.json").write_text(text)
+        return str(d)
+    return make
+
+
+BAD_FILES = [  # (flags, each a string or a function of tmp_path), the message's words
+    (["--data", lambda t: str(t), "--val-data", lambda t: str(t)], "--data: "),
+    (["--resume", _a_file], "a file, not a checkpoint folder"),
+    (["--resume", lambda t: str(t / "nowhere")], "not a complete minidist checkpoint"),
+    (["--resume", lambda t: str(t)], "not a complete minidist checkpoint"),
+    (["--resume", _meta("{}")], "--resume"),
+    (["--resume", _meta("null")], "--resume"),
+    (["--resume", _meta("[1, 2]")], "--resume"),
+    (["--resume", _meta("{not json")], "--resume"),
+]
+
+
+@pytest.mark.parametrize("argv, says", BAD_FILES, ids=range(len(BAD_FILES)))
+def test_bad_files_named_on_the_command_line(argv, says, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        _resolve(tmp_path, *[a(tmp_path) if callable(a) else a for a in argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("path, kind", [("summary.json", "dir"), ("metrics.jsonl", "dir"),
+                                        ("loss.png", "dir"), ("checkpoints", "file")])
+def test_every_output_path_is_checked_before_the_first_step(path, kind, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / path).mkdir() if kind == "dir" else (out / path).write_text("")
+    with pytest.raises(SystemExit) as e:
+        _resolve(tmp_path, "--checkpoint-every", "5")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and str(out / path) in err and ("is a folder" if kind == "dir" else "is a file") in err
+
+
+# ---- one run per output folder ------------------------------------------------------------
+
+_HOLDER = ("import fcntl, json, os, sys, time\n"  # another run's rank 0, as acquire_lock holds it
+           "f = open(os.path.join(sys.argv[1], 'run.lock'), 'a+')\n"
+           "fcntl.flock(f, fcntl.LOCK_EX)\n"
+           "f.truncate(0); f.write(json.dumps({'pid': os.getpid(), 'host': 'here', "
+           "'command': 'python minidist/train_gpt.py --the-other-run'})); f.flush()\n"
+           "print('holding', flush=True); time.sleep(120)\n")
+
+
+def test_one_run_per_out_dir(tmp_path, monkeypatch, capsys):
+    from minidist import train_gpt
+    out = tmp_path / "out"
+    out.mkdir()
+    other = subprocess.Popen([sys.executable, "-c", _HOLDER, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "holding"
+        # a second run on the folder: refused before any work, naming the holder
+        with pytest.raises(SystemExit) as e:
+            train_gpt.main(["--device", "cpu", "--steps", "2", "--warmup-steps", "1", "--out-dir", str(out)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"--out-dir {out} is in use by another run (pid {other.pid}" in err, err
+        assert "--the-other-run" in err and not dist.is_initialized()
+        with pytest.raises(mdist.OutDirInUse, match=f"pid {other.pid}"):
+            mdist.acquire_lock(out, wait_s=0.2)
+    finally:
+        other.kill()
+        other.wait()
+    # killed, its lock file is left behind, but the kernel has dropped its lock: stale
+    assert (out / "run.lock").exists() and mdist.lock_holder(out) is None
+    held = mdist.acquire_lock(out)
+    assert json.loads((out / "run.lock").read_text())["pid"] == os.getpid()
+    with pytest.raises(SystemExit):  # held by this process: a second run here is refused too
+        _resolve(tmp_path)
+    assert "is in use by another run" in capsys.readouterr().err
+    mdist.release_lock(held)
+    assert not (out / "run.lock").exists()
+    assert _resolve(tmp_path).out_dir == str(out)
+
+    # the ranks of one run (torchrun's run id, the same on every node and every restart)
+    # do not trip on their rank 0's lock; another torchrun job does
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    held = mdist.acquire_lock(out)
+    assert mdist.lock_holder(out) is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
+    assert mdist.lock_holder(out)["run"] == "torchrun job-a"
+    mdist.release_lock(held)
+
+
+def test_resume_from_elsewhere_into_another_runs_folder(tmp_path, capsys):
+    settings = vars(_resolve(tmp_path, "--preset", "tiny"))
+    here, elsewhere = tmp_path / "out" / "checkpoints", tmp_path / "elsewhere" / "checkpoints"
+    for root in (here, elsewhere):
+        checkpoint.save(root, 2, torch.nn.Linear(2, 2), [], extra={"settings": settings})
+    with pytest.raises(SystemExit) as e:
+        _resolve(tmp_path, "--preset", "tiny", "--checkpoint-every", "2", "--resume", str(elsewhere / "step_00000002"))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "holds checkpoints of another run" in err and "another --out-dir" in err
+    # told where to write (an --out-dir of its own), or resuming this folder's own: accepted
+    args = resolve_args(build_parser().parse_args(
+        ["--device", "cpu", "--steps", "10", "--warmup-steps", "2", "--batch-size", "4", "--preset", "tiny",
+         "--checkpoint-every", "2", "--out-dir", str(tmp_path / "new"), "--resume", str(elsewhere / "step_00000002")]), 2)
+    assert args.resume == str(elsewhere / "step_00000002")
+    assert _resolve(tmp_path, "--preset", "tiny", "--checkpoint-every", "2",
+                    "--resume", str(here / "step_00000002")).resume
+
+
+# ---- a diverged, stopped or failed run: what it leaves and what it says --------------------
+
+ONE = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--tokenizer", "gpt2-512",
+       "--lr", "3e-3", "--warmup-steps", "1", "--eval-interval", "100", "--eval-windows", "4",
+       "--final-eval-windows", "4", "--sample-tokens", "2", "--log-interval", "1", "--device", "cpu",
+       "--batch-size", "4", "--optimizer", "adamw"]  # (AdamW: no Newton-Schulz, quicker)
+
+
+def _at_step(monkeypatch, step, what):
+    """train_gpt's forward_backward, and from optimizer step `step` of this run on, `what`:
+    "nan" (a parameter and the loss non-finite), "weights" (a parameter only: the loss
+    stays finite), "SIGTERM" (the signal, sent to this process) or "lost" (a collective
+    fails as when a peer has died)."""
+    from minidist import train_gpt
+    real, calls = train_gpt.forward_backward, []
+
+    def forward_backward(model, *a, **k):
+        loss = real(model, *a, **k)
+        calls.append(loss)
+        if len(calls) >= step:
+            if what in ("nan", "weights"):
+                with torch.no_grad():  # the update reads it: the weights stay non-finite
+                    next(model.parameters()).view(-1)[0] = float("nan")
+                return float("nan") if what == "nan" else loss
+            if what == "SIGTERM" and len(calls) == step:
+                os.kill(os.getpid(), signal.SIGTERM)
+            if what == "lost":
+                raise dist.DistBackendError("[gloo] Connection closed by peer [127.0.0.1]:29500")
+        return loss
+    monkeypatch.setattr(train_gpt, "forward_backward", forward_backward)
+
+
+def _rows(out):
+    return [_strict(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("what, since", [("nan", 3), ("weights", 4)])
+def test_a_run_that_diverges_in_its_last_steps_keeps_its_good_checkpoint(what, since, tmp_path, monkeypatch, capsys):
+    # non-finite from step 3 (loss and weights) or 4 (weights only) of 4: too few steps for
+    # the loss watch, yet no checkpoint is written from them, and with --keep-checkpoints 1
+    # the good one (the step before) stays. The run ends non-zero, naming the step and that
+    # checkpoint.
+    from minidist import train_gpt
+    out = tmp_path / "out"
+    _at_step(monkeypatch, since, what)
+    with pytest.raises(metrics.NonFiniteLoss) as e:
+        train_gpt.main(ONE + ["--steps", "4", "--checkpoint-every", "1", "--keep-checkpoints", "1",
+                              "--out-dir", str(out)])
+    assert e.value.exit_code == 1 and not dist.is_initialized()
+    good = out / "checkpoints" / f"step_{since - 1:08d}"
+    assert checkpoint.list_checkpoints(out / "checkpoints") == [good]
+    err = capsys.readouterr().err
+    line = [l for l in err.splitlines() if "diverged" in l]
+    assert len(line) == 1 and f"non-finite at step {since}" in line[0], err
+    assert str(good) in line[0] and "--resume auto" in line[0]
+    assert "--lr" in line[0] and "bf16" in line[0] and "--loss-scale-init" in line[0]
+    summary = _strict((out / "summary.json").read_text())
+    assert summary["ended"] == "diverged" and summary["diverged_at_step"] == since
+    assert summary["checkpoint"] == str(good)
+    assert [r["step"] for r in _rows(out)] == [1, 2, 3, 4]
+    assert not (out / "run.lock").exists()  # released, however the run ended
+
+
+def test_sigterm_stops_at_a_step_saves_and_says_how_to_resume(tmp_path, monkeypatch, capsys):
+    from minidist import train_gpt
+    out = tmp_path / "out"
+    argv = ONE + ["--steps", "5", "--checkpoint-every", "100", "--out-dir", str(out)]
+    _at_step(monkeypatch, 2, "SIGTERM")
+    with pytest.raises(metrics.RunStopped) as e:
+        train_gpt.main(argv)
+    assert e.value.exit_code == 128 + signal.SIGTERM and not dist.is_initialized()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handlers put back
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("stopped at step 2 by SIGTERM"), err
+    saved = out / "checkpoints" / "step_00000002"  # the stop saved the step it stopped at
+    assert checkpoint.list_checkpoints(out / "checkpoints") == [saved] and str(saved) in err[0]
+    summary = _strict((out / "summary.json").read_text())
+    assert summary["ended"] == "interrupted" and summary["stopped_at_step"] == 2
+    assert [r["step"] for r in _rows(out)] == [1, 2]
+    # the command it printed resumes the run, which ends as a whole one
+    command = shlex.split(err[0].split("resume: ")[1])
+    assert command[:2] == ["python", "minidist/train_gpt.py"] and command[-2:] == ["--resume", "auto"]
+    monkeypatch.undo()
+    done = train_gpt.main(command[2:])
+    assert done["ended"] == "completed" and [r["step"] for r in done["rows"] if "loss" in r] == [1, 2, 3, 4, 5]
+
+
+def test_a_lost_rank_ends_with_one_line_and_a_summary(tmp_path, monkeypatch, capsys):
+    from minidist import train_gpt
+    out = tmp_path / "out"
+    _at_step(monkeypatch, 3, "lost")
+    with pytest.raises(metrics.RunStopped):
+        train_gpt.main(ONE + ["--steps", "5", "--checkpoint-every", "2", "--out-dir", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "stopped in step 3: a collective failed" in err[0], err
+    assert str(out / "checkpoints" / "step_00000002") in err[0] and "--resume auto" in err[0]
+    summary = _strict((out / "summary.json").read_text())
+    assert summary["ended"] == "failed" and "Connection closed" in summary["error"]
+
+
+def test_the_script_ends_a_diverged_run_with_its_line_not_a_traceback(tmp_path, monkeypatch, capsys):
+    # the script itself (its __main__), run in this process: a learning rate that makes the
+    # loss non-finite from step 2 of 3 ends it with status 1 and the line, not a traceback
+    import runpy
+    from conftest import ROOT
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["train_gpt.py", *ONE, "--lr", "1e30", "--steps", "3", "--out-dir", str(out)])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(ROOT / "minidist" / "train_gpt.py"), run_name="__main__")
+    said = capsys.readouterr()
+    assert e.value.code == 1 and said.err.count("the run diverged") == 1 and "val loss" not in said.out
+    assert _strict((out / "summary.json").read_text())["ended"] == "diverged"
+
+
 # ---- in one group of 2 ranks: flags that differ, a diverging run, a fallback, a timeout ----
 
 ARGV = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "--tokenizer",
@@ -257,11 +606,15 @@ def _in_one_group(tmp):
                    and again["val_loss"] == whole["val_loss"])
     got["rows"] = len(whole["rows"])
 
-    # 3. a learning rate that makes the loss non-finite: every rank stops at the same step
-    try:
-        train_gpt.main(ARGV + ["--steps", "12", "--lr", "1e30", "--out-dir", f"{tmp}/nan"])
-    except metrics.NonFiniteLoss as e:
-        got["nan"] = str(e)
+    # 3. a learning rate that makes the loss non-finite: every rank stops at the same step,
+    #    rank 0 alone saying so, in one line
+    said = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(said):
+        try:
+            train_gpt.main(ARGV + ["--steps", "12", "--lr", "1e30", "--out-dir", f"{tmp}/nan"])
+        except metrics.NonFiniteLoss as e:
+            got["nan"] = str(e)
+    got["nan said"] = said.getvalue()
 
     # 4. the collective tracer waits MINIDIST_TIMEOUT for a peer (rank 1 never comes)
     os.environ["MINIDIST_TIMEOUT"] = "2"
@@ -285,10 +638,14 @@ def test_in_one_group_differing_flags_diverging_loss_fallback_and_timeout(tmp_pa
         assert r["nan"] == r0["nan"] and "--lr 1e+30" in r["nan"]
     assert "--resume auto: skipping step_00000004, damaged" in r0["skipped"]
     assert r0["skipped"].count("\n") == 1 and r1["skipped"] == ""
-    stopped = int(r0["nan"].split(":")[0].split()[1])
+    stopped = int(r0["nan"].split("step ")[1].split(":")[0])
     rows = [_strict(line) for line in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, stopped))  # every step logged before the stop
-    assert rows[-1]["loss"] is None and rows[-2]["loss"] is None  # two non-finite, as null
+    assert [r["step"] for r in rows] == list(range(1, stopped + 1))  # every step, the stop's too
+    assert [r["loss"] for r in rows[-3:]] == [None] * 3  # three non-finite, as null
+    assert r0["nan said"].count("\n") == 1 and r0["nan"] in r0["nan said"] and r1["nan said"] == ""
+    assert "no checkpoint to resume from" in r0["nan"] and "torchrun --nproc_per_node=2" in r0["nan"]
+    summary = _strict((tmp_path / "nan" / "summary.json").read_text())
+    assert summary["ended"] == "diverged" and summary["stopped_at_step"] == stopped
     resumed = (tmp_path / "resume" / "metrics.jsonl").read_text().splitlines()
     assert len(resumed) == r0["rows"]  # restored rows, then the new ones: one run's file
     assert _strict((tmp_path / "resume" / "summary.json").read_text())["val_loss"] > 0

@@ -4,7 +4,7 @@ checksums --quick` (tests/test_bench.py).
 
 Save and load time with and without the CRC-32s, on train_gpt's CPU model (the tiny
 preset, vocabulary 2048) and on the small preset, one process, AdamW state included, best
-of 9 (--quick: the tiny preset, best of 2). "Without" replaces
+of 9 (--quick: the tiny preset, one of each). "Without" replaces
 minidist.checkpoint_io.checksum by a function that returns 0, so the same code path runs
 minus the CRC-32s. Each figure is in CPU seconds of this process; the files go to a
 temporary folder (on most machines the page cache): this measures the CPU cost, which is
@@ -17,6 +17,7 @@ import time
 import torch
 
 from minidist import checkpoint, checkpoint_io
+from minidist.bench import timing
 from minidist.model import GPT, PRESETS, GPTConfig
 
 
@@ -31,11 +32,10 @@ def _model(preset: str, vocab: int):
 
 
 def _best_s(fn) -> float:
-    """CPU seconds of this process: what the checksums add is CPU work, and on a shared
+    """CPU seconds of this process for one call, after Timer's warm-up
+    (minidist/bench/timing.py): what the checksums add is CPU work, and on a shared
     machine wall time mostly measures the neighbours."""
-    t0 = time.process_time()
-    fn()
-    return time.process_time() - t0
+    return timing.measure(fn, 1, clock_fn=time.process_time).times[0]
 
 
 def measure(preset: str, vocab: int, repeats: int) -> dict:
@@ -62,7 +62,7 @@ def measure(preset: str, vocab: int, repeats: int) -> dict:
 
 
 def run(args) -> dict:
-    presets, repeats = (("tiny",), 2) if args.quick else (("tiny", "small"), 9)
+    presets, repeats = (("tiny",), 1) if args.quick else (("tiny", "small"), 9)
     print("CPU seconds, best of", repeats)
     print(f"{'preset':8s} {'params':>8s} {'file':>8s} | {'save: with':>10s} {'without':>8s} | "
           f"{'load: with':>10s} {'without':>8s} | {'verify all':>10s}")

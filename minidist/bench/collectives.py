@@ -3,7 +3,7 @@ the same buffers in the same processes. Chapter 02 (chapters/02_collectives.md).
 Exercised by `python -m minidist.bench collectives --quick` (tests/test_bench.py).
 
 For each collective and size, on 2 and 4 ranks: the median time of ours and of torch's,
-interleaved, and their bus bandwidths and ratio (machines here are noisy; ratios
+interleaved (minidist/bench/timing.py: torch.utils.benchmark.Timer), and their bus bandwidths and ratio (machines here are noisy; ratios
 measured side by side travel, absolute times do not). all_reduce is chapter 02's plain
 ring (reduce-scatter, then all-gather); all_reduce_pipelined is minidist.comm's
 segmented one, both beside torch's all_reduce. Then alpha and beta, fitted by least
@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from minidist import comm
+from minidist.bench.timing import timer
 from minidist.cost_model import MESSAGES, SENT_FRACTION
 from minidist.launch import launch
 
@@ -50,25 +51,20 @@ def _ours_and_theirs(op: str, S: int, device):
 
 
 def _time_collectives(ops, sizes, budget_s):
-    """On every rank: per (op, size), interleaved repetitions of ours and torch's; the
-    time of a repetition is the slowest rank's. Returns rows on rank 0."""
+    """On every rank: per (op, size), interleaved repetitions of ours and torch's, each one
+    call timed by minidist.bench.timing (a barrier before it, Timer's warm-up, then the
+    call); the time of a repetition is the slowest rank's. Returns rows on rank 0."""
     device = torch.device("cuda", dist.get_rank()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []
     for op in ops:
         for S in sizes:
             ours, theirs = _ours_and_theirs(op, S, device)
+            timers = {"ours": timer(ours, before=dist.barrier), "torch": timer(theirs, before=dist.barrier)}
             times = {"ours": [], "torch": []}
-            ours(), theirs()  # warm up: connections, allocations
-            t_end, reps = time.perf_counter() + budget_s, 0
+            t_end, reps = time.perf_counter() + budget_s, 0  # a budget, not a measurement
             while True:
-                for name, fn in (("ours", ours), ("torch", theirs)) if reps % 2 else (("torch", theirs), ("ours", ours)):
-                    dist.barrier()
-                    sync()
-                    t0 = time.perf_counter()
-                    fn()
-                    sync()
-                    times[name].append(time.perf_counter() - t0)
+                for name in ("ours", "torch") if reps % 2 else ("torch", "ours"):
+                    times[name].append(timers[name].timeit(1).times[0])
                 reps += 1
                 # every rank must take the same decision to go on, or they would deadlock:
                 # stop when any rank's time is up (at least 3 repetitions, at most 50)

@@ -13,24 +13,23 @@ Writes ddp.json and ddp.png.
 from __future__ import annotations
 
 import contextlib
-import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from minidist.bench import cpu_default
+from minidist.bench.timing import interleaved
 from minidist.ddp import DDP, allreduce_gradients_flat, allreduce_gradients_naive
 from minidist.flags import AUTO
 from minidist.launch import launch
-from minidist.model import GPT, PRESETS, GPTConfig
+from minidist.model import GPT, GPTConfig
 
 
 def _time_ddp(variants, steps, rounds, cfg_kw, per_rank_batch, seq_len):
     """Per variant, the median step time (forward, backward, sync, AdamW step) on the same
     model and data; variants interleaved in rounds so drift in machine load hits all."""
     device = torch.device("cuda", dist.get_rank()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.manual_seed(0)
     cfg = GPTConfig(**cfg_kw)
     x = torch.randint(0, cfg.vocab_size, (per_rank_batch, seq_len), device=device)
@@ -61,29 +60,20 @@ def _time_ddp(variants, steps, rounds, cfg_kw, per_rank_batch, seq_len):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    times = {n: [] for n in variants}
-    for n in variants:
-        step(n)  # warm up
-    for _ in range(rounds):
-        for n in variants:
-            dist.barrier()
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step(n)
-            sync()
-            times[n].append((time.perf_counter() - t0) / steps)
-    return {n: statistics.median(t) for n, t in times.items()} if dist.get_rank() == 0 else None
+    # rounds of `steps` steps per variant, a barrier before each block (every rank starts
+    # together), Timer's warm-up steps right before it; the median over rounds
+    t = interleaved({n: (lambda n=n: step(n)) for n in variants}, rounds, steps, before=lambda n: dist.barrier())
+    return {n: m.median for n, m in t.items()} if dist.get_rank() == 0 else None
 
 
 def run(args) -> dict:
-    cfg_kw = dict(PRESETS["tiny"], vocab_size=2048)  # train_gpt's CPU default model
+    cfg_kw = cpu_default(quick=False)[0]  # train_gpt's CPU default model
     world, steps, rounds = 2, 2, 12  # many short rounds: load drifts hit every variant alike
     global_batch, seq_len = AUTO["cpu"]["batch_size"], cfg_kw["block_size"]
     caps = ["0", "0.25", "0.5", "1", "2", "None"]
     if args.quick:
         cfg_kw.update(n_layer=2, n_embd=64, n_head=2)
-        steps, rounds, caps = 1, 2, ["0", "1", "None"]
+        steps, rounds, caps = 1, 1, ["0", "1", "None"]
     variants = (["naive", "flat", "torch_ddp", "no_comm", "bucketed:1:no_overlap"]
                 + [f"bucketed:{c}" for c in caps])
     t = launch(_time_ddp, world, variants, steps, rounds, cfg_kw, global_batch // world, seq_len,

@@ -23,16 +23,15 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from minidist.bench import muon_zero
+from minidist.bench.timing import measure
 from minidist.cost_model import ns_flops
 from minidist.flags import AUTO
 from minidist.launch import launch
@@ -40,29 +39,21 @@ from minidist.model import GPT, PRESETS, GPTConfig
 from minidist.muon import Muon, newton_schulz, split_params
 
 
-def _median_time(fn, repeat: int, sync=lambda: None) -> float:
-    fn()  # warm up
-    times = []
-    for _ in range(repeat):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _median_time(fn, repeat: int) -> float:
+    """The median of `repeat` calls, each after Timer's warm-up (minidist/bench/timing.py)."""
+    return measure(fn, repeat).median
 
 
 def _ns_sizes(quick: bool, device):
     from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns  # torch's, as oracle
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sizes = [(128, 512), (256, 1024)] if quick else [(128, 512), (256, 1024), (512, 2048),
                                                      (768, 3072), (1024, 4096)]
     rows = []
     for m, n in sizes:
         G = torch.randn(m, n, device=device)
-        ours = _median_time(lambda: newton_schulz(G), 3 if quick else 9, sync)
-        theirs = _median_time(lambda: torch_ns(G, (3.4445, -4.7750, 2.0315), 5, 1e-7), 3 if quick else 9, sync)
-        fp32 = _median_time(lambda: newton_schulz(G, dtype=torch.float32), 3 if quick else 9, sync)
+        ours = _median_time(lambda: newton_schulz(G), 1 if quick else 9)
+        theirs = _median_time(lambda: torch_ns(G, (3.4445, -4.7750, 2.0315), 5, 1e-7), 1 if quick else 9)
+        fp32 = _median_time(lambda: newton_schulz(G, dtype=torch.float32), 1 if quick else 9)
         rows.append(dict(m=m, n=n, ours_bf16_s=ours, torch_bf16_s=theirs, ours_fp32_s=fp32,
                          ratio=ours / theirs, bf16_tflops=ns_flops(m, n) / ours / 1e12))
     return rows
@@ -82,7 +73,6 @@ def _model_cfg(quick: bool, device) -> tuple[dict, int, int]:
 
 def _step_vs_train(quick: bool, device) -> dict:
     """Muon's step beside forward+backward of the same model and batch, one process."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     cfg, batch, T = _model_cfg(quick, device)
     model = GPT(GPTConfig(**cfg)).to(device)
     hidden, _ = split_params(model)
@@ -93,8 +83,8 @@ def _step_vs_train(quick: bool, device) -> dict:
         model(x, x)[1].backward()
     fwd_bwd()
     opt = Muon(hidden, lr=1e-4)
-    t_train = _median_time(fwd_bwd, 3 if quick else 7, sync)
-    t_step = _median_time(opt.step, 3 if quick else 7, sync)
+    t_train = _median_time(fwd_bwd, 1 if quick else 7)
+    t_step = _median_time(opt.step, 1 if quick else 7)
     params = sum(p.numel() for p in model.parameters())
     flops_ns = sum(ns_flops(*p.shape) for p in hidden)
     flops_train = 6 * params * batch * T
@@ -112,8 +102,9 @@ def _distributed_step(cfg: dict, repeat: int) -> float | None:
     for p in hidden:
         p.grad = torch.randn_like(p)
     opt = Muon(hidden, lr=1e-4)
-    step = lambda: (dist.barrier(), opt.step())
-    t = _median_time(step, repeat)
+    # the barrier inside the timed call, as this table has always measured it: a step
+    # here is "all ranks met, then each stepped"
+    t = _median_time(lambda: (dist.barrier(), opt.step()), repeat)
     return t if dist.get_rank() == 0 else None
 
 
@@ -179,7 +170,7 @@ def run(args) -> dict:
     print("2. Distributed Muon step, one thread per rank")
     cfg, _, _ = _model_cfg(args.quick, torch.device("cpu"))
     worlds = [1] + [w for w in args.world_sizes if w > 1]
-    dist_t = {w: launch(_distributed_step, w, cfg, 5 if args.quick else 15, timeout_s=600)[0] for w in worlds}
+    dist_t = {w: launch(_distributed_step, w, cfg, 2 if args.quick else 15, timeout_s=600)[0] for w in worlds}
     for w, t in dist_t.items():
         print(f"  {w} rank{'s' if w > 1 else ' '}: {1e3 * t:7.2f} ms  ({t / dist_t[1]:.2f}x one rank)")
 
@@ -194,7 +185,7 @@ def run(args) -> dict:
 
     print("4. Muon under ZeRO against AdamW at the same stage (default CPU model, gloo)")
     cfg, batch, _ = _model_cfg(args.quick, torch.device("cpu"))
-    rounds, steps = (2, 1) if args.quick else (8, 2)
+    rounds, steps = (1, 1) if args.quick else (8, 2)
     stages = {n: muon_zero.run(cfg, n, max(1, batch // n), rounds, steps) for n in worlds if n > 1}
     return {"newton_schulz": ns, "step_vs_train": share, "distributed_step_s": dist_t,
             "distributed_ratio": {w: t / dist_t[1] for w, t in dist_t.items()}, "curves": curves,

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 from minidist.bench import cpu_default
+from minidist.bench.timing import clock, interleaved
 from minidist.cost_model import muon_comm_volume
 from minidist.launch import launch
 from minidist.model import GPT, GPTConfig
@@ -73,12 +73,12 @@ class _Wire:
 
 
 def _step(model, opts, sync, micro, n) -> float:
-    """One training step; returns the seconds its optimizer steps took."""
+    """One training step; returns the seconds its optimizer steps took (Timer's clock)."""
     forward_backward(model, micro, n, sync)
-    t0 = time.perf_counter()
+    t0 = clock()
     for o in opts:
         o.step()
-    t = time.perf_counter() - t0
+    t = clock() - t0
     for o in opts:
         o.zero_grad(set_to_none=True)
     return t
@@ -99,18 +99,20 @@ def _measure(cfg: dict, per_rank_batch: int, rounds: int, steps: int):
         out["state"][v] = {type(o).__name__: sum(t.numel() * t.element_size() for s in o.state.values()
                                                  for t in s.values() if torch.is_tensor(t) and t.dim())
                            for o in opts}
-    times = {v: [] for v in VARIANTS}
-    shares = {v: [] for v in VARIANTS}
-    for _ in range(rounds):
-        for v, (model, opts, sync) in runners.items():
-            dist.barrier()
-            t0, opt_t = time.perf_counter(), 0.0
-            for _ in range(steps):
-                opt_t += _step(model, opts, sync, micro, n)
-            total = time.perf_counter() - t0
-            times[v].append(total / steps)
-            shares[v].append(opt_t / total)
-    out["step_s"] = {v: statistics.median(t) for v, t in times.items()}
+    # rounds of `steps` steps per variant (minidist/bench/timing.py): a barrier before each
+    # block, which also zeroes the variant's optimizer seconds, so that after the block they
+    # hold its timed steps' alone (Timer's warm-up steps come after the first barrier)
+    opt_s, shares = dict.fromkeys(VARIANTS, 0.0), {v: [] for v in VARIANTS}
+
+    def step(v):
+        opt_s[v] += _step(*runners[v], micro, n)
+
+    def before(v):
+        dist.barrier()
+        opt_s[v] = 0.0
+    times = interleaved({v: (lambda v=v: step(v)) for v in VARIANTS}, rounds, steps, before=before,
+                        after=lambda v, block: shares[v].append(opt_s[v] / block.raw_times[0]))
+    out["step_s"] = {v: m.median for v, m in times.items()}
     out["opt_share"] = {v: statistics.median(s) for v, s in shares.items()}
     return out if rank == 0 else None
 

@@ -4,7 +4,8 @@ and ZeRO-1/2/3 from 8 to 1024 GPUs. Chapter 08 (chapters/08_at_scale.md). Exerci
 
 No training and no processes: a table of model x N x strategy (step time, exposed
 communication, scaling efficiency with ring and with tree latencies, memory per GPU and
-whether it fits an 80 GB H100 or a 141 GB H200), scale.json, and scale.png (efficiency
+whether it fits an 80 GB H100 or a 141 GB H200: minidist.cost_model.memory_per_gpu, the
+parts of minidist.memory.step_memory), scale.json, and scale.png (efficiency
 against N, one panel per model; memory per GPU below). Weak scaling: each GPU keeps a
 micro-batch of MICRO_BATCH sequences of 1024 tokens whatever N.
 
@@ -15,10 +16,15 @@ their JSON is in --out too.
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 
-from minidist.cost_model import MEMORY_LIMITS_GB, MODELS, STRATEGIES, Hardware, compare_with_measured, scan
+from minidist.cost_model import (MEMORY_LIMITS_GB, MODELS, STRATEGIES, Hardware, collective_time, exposed_time,
+                                 hardware_from_fit, scan, step_time)
+from minidist.bench import cpu_default
+from minidist.model import GPTConfig, config_num_params
 
 MICRO_BATCH = 8  # sequences per GPU per step: 8192 tokens
 NAMES = {"dp": "DP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}
@@ -39,6 +45,53 @@ def markdown_table(rows) -> str:
     return "\n".join(lines)
 
 
+def _load(path: Path):
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def compare_with_measured(out: Path) -> list[dict]:
+    """The model with this machine's alpha and beta against what the other benchmarks
+    measured here, where their JSON is in `out`. Only differences of step time are
+    compared: compute is taken from the measurement itself (a CPU has no agreed peak).
+
+    - ddp.json: the communication data parallelism exposes on train_gpt's CPU model at
+      N = 2 in 1 MB buckets, without overlap (step minus the step that sends nothing),
+      and with it, where the model's perfect overlap says what it hopes for.
+    - zero.json: each ZeRO stage's step time over stage 0's, per N, fp32 on the wire.
+      bench zero times torch's gloo collectives while alpha and beta were fitted on
+      minidist's rings, and gloo's reduce-scatter sends an all-reduce's bytes (chapter
+      02): expect the model to under-predict stages 2 and 3 a little.
+    """
+    fits = (_load(out / "collectives.json") or {}).get("alpha_beta")
+    if not fits:
+        return []
+    tiny = GPTConfig(**cpu_default(quick=False)[0])  # what bench ddp and zero train
+    psi, rows = config_num_params(tiny), []
+    ddp = _load(out / "ddp.json")
+    if ddp and "2" in fits:
+        t, hw = ddp["step_s"], hardware_from_fit(fits["2"], 2)
+        k = math.ceil(4 * psi / 2**20)  # 1 MB buckets of fp32 gradients
+        c = collective_time("all_reduce", 4 * psi / k, 2, hw)
+        bwd = 2 / 3 * t["no_comm"]
+        rows.append(dict(what="DDP exposed comm, N=2, no overlap (ms)", measured=1e3 * (t["bucketed:1:no_overlap"] - t["no_comm"]),
+                         model=1e3 * k * c))
+        rows.append(dict(what="DDP exposed comm, N=2, overlap (ms)", measured=1e3 * (t["bucketed:1"] - t["no_comm"]),
+                         model=1e3 * exposed_time(c, k, bwd)))
+    zero = _load(out / "zero.json")
+    for n, run in (zero or {}).get("runs", {}).items():
+        if n not in fits or set(run["step_s"]) < {"stage0", "stage1", "stage2", "stage3"}:
+            continue
+        hw = hardware_from_fit(fits[n], int(n))
+        cfg = GPTConfig(**zero["config"])
+        comm = {s: step_time(cfg, s, int(n), hw, elem_bytes=4)["exposed_s"] for s in STRATEGIES}
+        compute = run["step_s"]["stage0"] - comm["dp"]
+        for i, s in enumerate(STRATEGIES[1:], 1):
+            rows.append(dict(what=f"ZeRO-{i} step / stage 0, N={n}",
+                             measured=run["step_s"][f"stage{i}"] / run["step_s"]["stage0"],
+                             model=(compute + comm[s]) / (compute + comm["dp"])))
+    return rows
+
+
 def run(args) -> dict:
     hw = Hardware()
     models = {k: MODELS[k] for k in ("124M", "7B")} if args.quick else MODELS
@@ -49,6 +102,8 @@ def run(args) -> dict:
           f"{hw.inter_GBps:.0f} GB/s + {1e6 * hw.inter_alpha_s:.0f} us between nodes")
     print(f"weak scaling: {MICRO_BATCH} x 1024 tokens per GPU per step; bf16 on the wire; "
           "25 MB buckets for DP and ZeRO-1/2; efficiency = one GPU's compute-only step / step on N")
+    print("memory per GPU: minidist's step (fp32 weights and gradients, AdamW, 4 + 4 + 8 bytes per parameter "
+          "sharded per stage) and one micro-batch's bf16-autocast activations, as minidist.memory counts them")
     for label, cfg in models.items():
         p = next(r["params"] for r in rows if r["model"] == label)
         print(f"  {label}: {p / 1e9:.3f}B parameters, {cfg.n_layer} layers, {cfg.n_embd} wide")

@@ -14,8 +14,6 @@ paper's formulas for larger models and clusters (K = 12, mixed precision), repro
 
 from __future__ import annotations
 
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -25,6 +23,7 @@ from minidist.comm import all_reduce, count_bytes
 from minidist.cost_model import model_state_bytes
 from minidist.ddp import DDP
 from minidist.bench import cpu_default
+from minidist.bench.timing import interleaved
 from minidist.launch import launch
 from minidist.model import GPT, GPTConfig, config_num_params
 from minidist.train import forward_backward
@@ -83,17 +82,10 @@ def _measure(cfg, per_rank_batch, rounds, steps):
         forward_backward(fwd, micro, dist.get_world_size(), zero)
         opt.step()
         opt.zero_grad()
-    for n in VARIANTS:
-        step(n)  # warm up
-    times = {n: [] for n in VARIANTS}
-    for _ in range(rounds):
-        for n in VARIANTS:
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step(n)
-            times[n].append((time.perf_counter() - t0) / steps)
-    out["step_s"] = {n: statistics.median(t) for n, t in times.items()}
+    # rounds of `steps` steps per variant, a barrier before each block, Timer's warm-up
+    # steps right before it (minidist/bench/timing.py); the median over rounds
+    times = interleaved({n: (lambda n=n: step(n)) for n in VARIANTS}, rounds, steps, before=lambda n: dist.barrier())
+    out["step_s"] = {n: m.median for n, m in times.items()}
     return out if rank == 0 else None
 
 

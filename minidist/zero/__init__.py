@@ -4,7 +4,10 @@
     pytest tests/test_zero.py
 
 Read in this order:
-    layout.py   the flat padded shard layout (a unit: parameters in one buffer, cut N ways)
+    simple.py   the plain steps, a few lines each on torch.distributed (notebook 06 builds
+                them): zero1_step, zero2_step, and zero3_step over shard_per_block's units;
+                the classes below are held equal to them (tests/test_simple_forms.py)
+    layout.py   the flat padded shard layout (a Unit: parameters in one buffer, cut N ways)
     base.py     ZeroBase, what every stage shares once it has its units: the inner
                 optimizer on this rank's shards, the reduce-scatters of the gradients, the
                 gradient-sync interface (minidist/ddp.py), clipping, checkpoint pieces
@@ -12,9 +15,10 @@ Read in this order:
                 its units are buckets, as DDP's
     stage3.py   FullyShardedOptimizer: ZeRO-3 (also parameters, gathered per block);
                 its units are the transformer blocks and the root
-    muon.py     MuonUnderZero: Muon's whole matrices beside the shards of stages 1-2
-                (chapter 07), gradients reduce-scattered to each matrix's owner;
-                MuonUnderZero3: the same at stage 3, updates sent to the shards' holders
+    muon.py     Muon beside the shards (chapter 07): MuonUnderZero at stages 1-2, gradients
+                reduce-scattered to each matrix's owner; at stage 3 MuonUnderZero3 and
+                ShardedMuon, updates sent to the shards' holders; muon_for_zero and
+                muon_under_zero pick them
 and zero_optimizer below, the one entry point for all three stages. Each stage's
 constructor builds its own units, then hands them to ZeroBase. `bucket_cap_mb` means what
 it means for DDP at every stage (minidist.ddp.make_buckets: about that many MiB per unit,
@@ -25,22 +29,25 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from minidist.zero.layout import _Unit
-from minidist.zero.muon import MuonUnderZero, MuonUnderZero3
+from minidist.zero.layout import Unit, _Unit
+from minidist.zero.muon import MuonUnderZero, MuonUnderZero3, ShardedMuon, muon_for_zero, muon_under_zero
 from minidist.zero.stage12 import ShardedOptimizer
 from minidist.zero.stage3 import FullyShardedOptimizer
 
 __all__ = ["ShardedOptimizer", "FullyShardedOptimizer", "zero_optimizer", "MuonUnderZero", "MuonUnderZero3",
-           "_Unit"]
+           "ShardedMuon", "muon_for_zero", "muon_under_zero", "Unit"]
+# _Unit: Unit's old name, which exercises 06 and 08, their tests and chapter 06 still use
 
 
 def zero_optimizer(model: nn.Module, param_groups, optimizer_class, stage: int, **kwargs):
-    """The one entry point for ZeRO stages 1-3: a ShardedOptimizer that averages the
-    gradients itself (stages 1, 2) or a FullyShardedOptimizer over `model` (stage 3)."""
+    """The one entry point for ZeRO stages 1-3, and the one place a stage number becomes a
+    class: a ShardedOptimizer that averages the gradients itself (stages 1, 2) or a
+    FullyShardedOptimizer over `model` (stage 3); after it, `.shards_parameters` says which.
+    `others`: parameters another optimizer (Muon) updates; stage 3 shards them too, stages
+    1-2 leave them whole, outside their units."""
     if stage in (1, 2):
         kwargs.pop("prefetch", None)
-        if kwargs.pop("others", None):
-            raise ValueError("others= is for stage 3: at stages 1-2 leave Muon's matrices out of ZeRO")
+        kwargs.pop("others", None)
         return ShardedOptimizer(param_groups, optimizer_class, stage=stage, reduce_gradients=True,
                                 module=model, **kwargs)
     if stage == 3:

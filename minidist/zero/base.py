@@ -24,15 +24,20 @@ import torch
 import torch.distributed as dist
 
 from minidist import comm
-from minidist.zero.layout import _Unit
+from minidist.ddp import clip_to_global_norm
+from minidist.zero.layout import Unit
 
 
 class ZeroBase:
     """The shared part of ShardedOptimizer (stages 1, 2) and FullyShardedOptimizer (stage 3);
     see the module docstring. A stage's constructor calls ZeroBase.__init__ with its units
-    built, and registers _on_grad on the parameters whose gradients it reduces itself."""
+    built, and registers _on_grad on the parameters whose gradients it reduces itself.
+    `shards_parameters` answers "is it stage 3?" for everyone (minidist/zero/muon.py too):
+    whether parameters are whole on every rank at rest (stages 1, 2) or only shards."""
 
-    def __init__(self, units: list[_Unit], groups: list[dict], optimizer_class, defaults: dict,
+    shards_parameters = False  # FullyShardedOptimizer: True
+
+    def __init__(self, units: list[Unit], groups: list[dict], optimizer_class, defaults: dict,
                  stage: int, group=None, collectives: str = "torch"):
         if collectives not in ("torch", "minidist"):
             raise ValueError(f"collectives must be 'torch' or 'minidist', got {collectives!r}")
@@ -88,7 +93,7 @@ class ZeroBase:
         if self.stage >= 2 and u.ready == len(u.params):
             self._reduce(u)
 
-    def _reduce(self, u: _Unit) -> None:
+    def _reduce(self, u: Unit) -> None:
         """Start averaging u's gradients into a new shard-sized tensor and free the
         full-size gradients (stages 2 and 3; stage 1 reduces in place instead)."""
         flat = u.flat_grads()
@@ -130,17 +135,28 @@ class ZeroBase:
         """Clip by the global norm of the averaged gradient, as clip_grad_norm_ on the full
         gradients would: the squares of the shards summed over ranks (padding is zero)."""
         self.finish_gradient_synchronization()
-        sq = self._grad_square_sum().reshape(1)
+        return clip_to_global_norm(self.grad_square_sum(), max_norm, self.scale_grads)
+
+    def grad_square_sum(self, weight=None) -> torch.Tensor:
+        """The whole averaged gradient's squared norm (float64), the same on every rank: the
+        shards' squares summed over ranks; each parameter's times weight(p) if given."""
+        sq = self.local_grad_square_sum(weight).reshape(1)
         dist.all_reduce(sq, group=self.group)
-        norm = sq.sqrt().float()[0]
-        self._scale_grads((max_norm / (norm + 1e-6)).clamp(max=1.0))
-        return norm
+        return sq[0]
 
-    def _grad_square_sum(self) -> torch.Tensor:
-        """This rank's part of the squared norm: its shards' (float64, to sum across ranks)."""
-        return sum(u.grad_shard.double().square().sum() for u in self.units)
+    def local_grad_square_sum(self, weight=None) -> torch.Tensor:
+        """This rank's part of grad_square_sum: its shards' squares (padding is zero)."""
+        device = self.units[0].grad_shard.device if self.units else "cpu"
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for u in self.units:
+            if weight is None:
+                total += u.grad_shard.double().square().sum()
+                continue
+            for p, _, a, b in u.pieces(u.lo, u.hi):
+                total += weight(p) * u.grad_shard[a - u.lo:b - u.lo].double().square().sum()
+        return total
 
-    def _scale_grads(self, scale: torch.Tensor) -> None:
+    def scale_grads(self, scale: torch.Tensor) -> None:
         for u in self.units:
             u.grad_shard.mul_(scale)
 
@@ -162,7 +178,7 @@ class ZeroBase:
                 state.append((p, start, view, a - lo, b - lo))
         return state, []
 
-    def _state_bytes(self) -> int:
+    def optimizer_state_bytes(self) -> int:
         return sum(v.numel() * v.element_size() for s in self.optim.state.values()
                    for v in s.values() if torch.is_tensor(v))
 

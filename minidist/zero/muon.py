@@ -28,9 +28,10 @@ the rounds are the same as above; each bucket of rounds is reduce-scattered to i
 during backward, as soon as its last gradient is in, so full-size gradients do not
 outlive their bucket (every micro-step: stage 3 keeps no full gradient to accumulate
 into, so the owners add the averaged ones up). An update must then reach only the ranks
-whose shards hold a piece of its matrix: one all-to-all per step, owner to holder, a
-flag and the piece; each rank applies the pieces it gets to its shards (weight decay and
-the update are elementwise, so a piece is updated as the whole would be). Bytes per rank:
+whose shards hold a piece of its matrix: ShardedMuon's step, one all-to-all per step,
+owner to holder, a flag and the piece; each rank applies the pieces it gets to its
+shards (weight decay and the update are elementwise, so a piece is updated as the whole
+would be). Bytes per rank:
 ZeRO-3's gathers and reduce-scatters as for AdamW (Muon's reduce-scatter to owners sends
 what ZeRO's to shards would), plus the all-to-all, Psi_muon (N - 1) / N^2 on average in
 bf16 (minidist.cost_model.muon_comm_volume).
@@ -42,6 +43,12 @@ and then runs Muon's; clip_grad_norm_() clips by the norm of the whole averaged 
 ZeRO's shards and the owners' matrices, squares summed across ranks. After it the loss
 scaler's unscale_(muon) sees the owners' averaged gradients (and its MAX across ranks tells
 every rank about an overflow only an owner can see).
+
+Built with public calls, the stage decided once (by the ZeRO optimizer's
+`shards_parameters`): muon_for_zero(zero, matrices, ...) gives the Muon (a ShardedMuon at
+stage 3), muon_under_zero(zero, muon) the gradient sync; the training loop then calls
+sync.finish_gradient_synchronization(), sync.clip_grad_norm_() and each optimizer's
+step(), and nothing is installed into Muon.
 """
 
 from __future__ import annotations
@@ -51,16 +58,29 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from minidist.muon import Muon, _Bucket, _plan, adjust_lr
+from minidist.ddp import clip_to_global_norm
+from minidist.muon import Muon, RoundBucket, adjust_lr, plan_buckets
 
-__all__ = ["MuonUnderZero", "MuonUnderZero3", "reduce_to_owners"]
+__all__ = ["muon_for_zero", "muon_under_zero", "MuonUnderZero", "MuonUnderZero3", "ShardedMuon",
+           "reduce_to_owners"]
 
 
-def _send_to_owners(muon: Muon, items: list, bucket: _Bucket):
+def muon_for_zero(zero, params, **kwargs) -> Muon:
+    """The Muon for `params` beside the ZeRO optimizer `zero`: a Muon at stages 1-2 (its
+    matrices whole on every rank), a ShardedMuon at stage 3 (zero built with others=params)."""
+    return ShardedMuon(params, zero, **kwargs) if zero.shards_parameters else Muon(params, **kwargs)
+
+
+def muon_under_zero(zero, muon: Muon):
+    """The gradient sync of a run with Muon beside the ZeRO optimizer `zero`."""
+    return (MuonUnderZero3 if zero.shards_parameters else MuonUnderZero)(zero, muon)
+
+
+def _send_to_owners(muon: Muon, items: list, bucket: RoundBucket):
     """Start one bucket's owner-aligned reduce-scatter (row r of what is sent: the
     gradients of the matrices rank r owns, each in its round's slot); this rank's copies
     of the gradients are dropped (they are in the buffer now). Returns (recv, work)."""
-    _, world = muon._world()
+    _, world = muon.rank_and_world()
     dtype, device = items[0][0].dtype, items[0][0].device
     grads = {i: items[i][0].grad for round_ in bucket.rounds for i in round_
              if items[i][0].grad is not None}
@@ -74,7 +94,7 @@ def _send_to_owners(muon: Muon, items: list, bucket: _Bucket):
     return recv, work
 
 
-def _owned(bucket: _Bucket, recv: torch.Tensor, rank: int, items: list):
+def _owned(bucket: RoundBucket, recv: torch.Tensor, rank: int, items: list):
     """(parameter, averaged gradient) for each matrix of the bucket this rank owns that
     some rank had a gradient for (its slot's flag, averaged, is above zero)."""
     flags = recv[[offset for offset, _ in bucket.slots]].tolist()  # one read per bucket
@@ -89,13 +109,13 @@ def reduce_to_owners(muon: Muon) -> None:
     """Average the gradients of Muon's matrices across ranks, leaving each averaged gradient
     only on the matrix's owner (its .grad; None on every other rank). A collective: every
     rank calls it with the same Muon."""
-    rank, world = muon._world()
-    items = [(p, g) for g in muon.param_groups for p in g["params"]]
+    rank, world = muon.rank_and_world()
+    items = muon.matrices()
     if not items:
         return
     # the same rounds as Muon's step (ownership is a round's position); buckets of about
     # bucket_mb per rank's part, so that a few collectives carry everything
-    buckets = _plan(items, muon._deal(items), world, muon.bucket_mb * 2**20, items[0][0].dtype)
+    buckets = plan_buckets(items, Muon.deal(items), world, muon.bucket_mb * 2**20, items[0][0].dtype)
     pending = [(bucket, *_send_to_owners(muon, items, bucket)) for bucket in buckets]
     for bucket, recv, work in pending:
         work.wait()
@@ -106,19 +126,18 @@ def reduce_to_owners(muon: Muon) -> None:
 class MuonUnderZero:
     """The gradient-sync interface (no_sync, finish_gradient_synchronization,
     clip_grad_norm_) of a ZeRO optimizer at stage 1 or 2 beside a Muon that holds the
-    hidden matrices; see the module docstring. It also makes muon.step() finish the
-    synchronisation first, so Muon never steps on gradients that were not averaged."""
+    hidden matrices; see the module docstring. As with every gradient sync, the training
+    loop calls finish_gradient_synchronization() before the optimizers step
+    (minidist.train.forward_backward does): Muon steps on the owners' averaged gradients."""
 
     def __init__(self, zero, muon: Muon):
-        if getattr(zero, "stage", None) not in (1, 2):
+        if zero.shards_parameters:
             raise ValueError("MuonUnderZero is for ZeRO stages 1 and 2 (their parameters are "
                              "whole on every rank); at stage 3 use MuonUnderZero3")
         self.zero, self.muon = zero, muon
         self._fresh = False  # a Muon gradient arrived since the last reduction
-        for g in muon.param_groups:
-            for p in g["params"]:
-                p.register_post_accumulate_grad_hook(self._on_grad)
-        muon.before_step = self.finish_gradient_synchronization
+        for p, _ in muon.matrices():
+            p.register_post_accumulate_grad_hook(self._on_grad)
 
     def _on_grad(self, p) -> None:
         self._fresh = True
@@ -146,22 +165,27 @@ class MuonUnderZero:
         shards and of the matrices this rank owns, summed across ranks (each element is
         held by exactly one rank)."""
         self.finish_gradient_synchronization()
-        sq = self.zero._grad_square_sum() + sum(g.double().square().sum() for g in self._muon_grads())
+        return clip_to_global_norm(self.grad_square_sum(), max_norm, self.scale_grads)
+
+    def grad_square_sum(self, weight=None) -> torch.Tensor:
+        sq = self.zero.local_grad_square_sum(weight) + sum(
+            (1.0 if weight is None else weight(p)) * p.grad.double().square().sum()
+            for g in self.muon.param_groups for p in g["params"] if p.grad is not None)
         sq = torch.as_tensor(sq, dtype=torch.float64).reshape(1)
         dist.all_reduce(sq, group=self.zero.group)
-        norm = sq.sqrt().float()[0]
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        self.zero._scale_grads(scale)
+        return sq[0]
+
+    def scale_grads(self, coef) -> None:
+        self.zero.scale_grads(coef)
         for g in self._muon_grads():
-            g.mul_(scale)
-        return norm
+            g.mul_(coef)
 
     def state_bytes(self) -> dict:
         """Optimizer state this rank holds: Muon's momentum of the matrices it owns, and
         AdamW's moments of ZeRO's shards."""
-        nbytes = lambda st: sum(v.numel() * v.element_size() for s in st.values()
-                                for v in s.values() if torch.is_tensor(v))
-        return {"muon": nbytes(self.muon.state), "adamw": nbytes(self.zero.optim.state)}
+        muon = sum(v.numel() * v.element_size() for s in self.muon.state.values()
+                   for v in s.values() if torch.is_tensor(v))
+        return {"muon": muon, "adamw": self.zero.optimizer_state_bytes()}
 
 
 class MuonUnderZero3(MuonUnderZero):
@@ -170,29 +194,25 @@ class MuonUnderZero3(MuonUnderZero):
     gradients it leaves to this object. Matrices are dealt to owners as at stages 1-2; each
     bucket of rounds is reduce-scattered to its owners during backward, as soon as its
     last gradient is in (a matrix's full-size gradient lives until then), and the owners
-    keep the sums across micro-steps. The owners' updates then travel by one
-    all-to-all, each piece to the rank whose shard holds it, and are applied there."""
+    keep the sums across micro-steps. `muon` is a ShardedMuon (muon_for_zero builds it):
+    its step sends the owners' updates to the shards' holders."""
 
     def __init__(self, zero, muon: Muon):
-        if getattr(zero, "stage", None) != 3:
+        if not zero.shards_parameters:
             raise ValueError("MuonUnderZero3 is for ZeRO stage 3; at stages 1-2 use MuonUnderZero")
-        self.items = [(p, g) for g in muon.param_groups for p in g["params"]]
-        missing = [tuple(p.shape) for p, _ in self.items if p not in zero.other_unit_of]
-        if missing:
-            raise ValueError(f"{len(missing)} of Muon's matrices (shapes {missing[:3]}...) are not "
-                             "sharded by the ZeRO-3 optimizer: build it with others=<Muon's parameters>")
+        if not isinstance(muon, ShardedMuon):
+            raise TypeError("at ZeRO stage 3 Muon must be a ShardedMuon: build it with "
+                            "minidist.zero.muon_for_zero(zero, params, ...)")
+        self.items = muon.matrices()
         self.zero, self.muon = zero, muon
-        self.rank, world = muon._world()
-        self.buckets = _plan(self.items, muon._deal(self.items), world, muon.bucket_mb * 2**20,
-                             self.items[0][0].dtype)
+        self.rank, world = muon.rank_and_world()
+        self.buckets = plan_buckets(self.items, Muon.deal(self.items), world, muon.bucket_mb * 2**20,
+                                    self.items[0][0].dtype)
         self.bucket_of = {self.items[i][0]: b for b in self.buckets for r in b.rounds for i in r}
         self.ready = {b: 0 for b in self.buckets}  # gradients in, this backward
         self.pending, self.sums, self._queued = [], {}, False
-        self.routes = self._routes(world)
         for p, _ in self.items:
             p.register_post_accumulate_grad_hook(self._on_grad)
-        muon.before_step = self.finish_gradient_synchronization
-        muon.to_shards = self._to_shards
 
     # ---- gradients: to the owners, a bucket at a time, during backward ------------------
 
@@ -229,13 +249,44 @@ class MuonUnderZero3(MuonUnderZero):
             p.grad = grad
         self.sums = {}
 
-    # ---- updates: from the owners to the shards' holders, by one all-to-all --------------
+
+class ShardedMuon(Muon):
+    """Muon for matrices a ZeRO-3 optimizer shards: ShardedMuon(params, zero, **Muon's
+    arguments), `zero` a FullyShardedOptimizer built with others=params. The owners are
+    Muon's; the gradients reach them through MuonUnderZero3. step(): each owner computes
+    its matrices' updates (Muon.owned_updates), one all-to-all sends each piece, with a
+    flag, to the rank whose shard holds it, and each rank applies what it gets to its
+    shards (weight decay and the update are elementwise: a piece is updated as the whole
+    would be)."""
+
+    def __init__(self, params, zero, **kwargs):
+        super().__init__(params, **kwargs)
+        self.place_on(zero)
+
+    def place_on(self, zero) -> None:
+        """Record where the matrices' pieces live in `zero`'s shards (shapes only)."""
+        missing = [tuple(p.shape) for p, _ in self.matrices() if p not in zero.other_unit_of]
+        if missing:
+            raise ValueError(f"{len(missing)} of Muon's matrices (shapes {missing[:3]}...) are not "
+                             "sharded by the ZeRO-3 optimizer: build it with others=<Muon's parameters>")
+        self.zero, self.items = zero, self.matrices()
+        self.routes = self._routes(self.rank_and_world()[1])
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.steps_taken += 1
+        self._to_shards(self.owned_updates())
+        return loss
 
     def _routes(self, world: int) -> list[list[list]]:
         """routes[o][r]: (item, start, a, b) for each piece of a matrix owned by o that lies
         in rank r's shard: the matrix's flattened elements [start, start + b - a) are its
         unit's flat elements [a, b). The same on every rank (shapes only)."""
-        owners = self.muon.owners()
+        owners = self.owners()
         routes = [[[] for _ in range(world)] for _ in range(world)]
         for i, (p, _) in enumerate(self.items):
             u = self.zero.other_unit_of[p]
@@ -247,14 +298,14 @@ class MuonUnderZero3(MuonUnderZero):
 
     @torch.no_grad()
     def _to_shards(self, updates: dict) -> None:
-        """updates: id(p) -> this rank's owned matrices' updates. Each piece travels, with a
+        """updates: p -> this rank's owned matrices' updates. Each piece travels, with a
         flag (1: an update, 0: none), to the rank holding it; each rank applies what it gets."""
-        rank, world = self.rank, len(self.routes)
-        dtype, device = self.muon.ns_dtype, self.items[0][0].device
+        rank, world = self.rank_and_world()
+        dtype, device = self.ns_dtype, self.items[0][0].device
         parts = []
         for r in range(world):
             for i, start, a, b in self.routes[rank][r]:
-                u = updates.get(id(self.items[i][0]))
+                u = updates.get(self.items[i][0])
                 flag = torch.ones(1, dtype=dtype, device=device) if u is not None else \
                     torch.zeros(1, dtype=dtype, device=device)
                 piece = u.flatten()[start:start + b - a].to(dtype) if u is not None else \
@@ -264,7 +315,7 @@ class MuonUnderZero3(MuonUnderZero):
         size = lambda route: sum(1 + b - a for _, _, a, b in route)
         recv = torch.empty(sum(size(self.routes[o][rank]) for o in range(world)), dtype=dtype, device=device)
         dist.all_to_all_single(recv, send, [size(self.routes[o][rank]) for o in range(world)],
-                               [size(self.routes[rank][r]) for r in range(world)], group=self.muon.group)
+                               [size(self.routes[rank][r]) for r in range(world)], group=self.group)
         offset, pieces = 0, []
         for o in range(world):
             for i, start, a, b in self.routes[o][rank]:
@@ -277,5 +328,6 @@ class MuonUnderZero3(MuonUnderZero):
                 u = self.zero.other_unit_of[p]
                 shard = u.shard[a - u.lo:b - u.lo]
                 shard.mul_(1 - g["lr"] * g["weight_decay"])  # as Muon._apply, on a piece
-                shard.add_(recv[off + 1:off + 1 + b - a], alpha=-adjust_lr(g["lr"], p.shape, g["adjust_lr_fn"]))
-        self.zero._free(self.zero.other_units)  # a unit still gathered is stale now
+                shard.add_(recv[off + 1:off + 1 + b - a],
+                           alpha=-adjust_lr(g["lr"], p.shape, g["adjust_lr_fn"]))
+        self.zero.free_gathered(self.zero.other_units)  # a unit still gathered is stale now

@@ -35,19 +35,21 @@ import torch.distributed as dist
 
 from minidist.ddp import make_buckets
 from minidist.zero.base import ZeroBase
-from minidist.zero.layout import _Unit, trainable_in_order
+from minidist.zero.layout import Unit, trainable_in_order
 
 
 class ShardedOptimizer(ZeroBase):
     """ZeRO-1 with the API of torch.distributed.optim.ZeroRedundancyOptimizer, and ZeRO-2.
 
-    ShardedOptimizer(params, optimizer_class, **defaults): as ZeroRedundancyOptimizer,
-    gradients are expected to be averaged already (by DDP); step() updates this rank's
-    shard with an `optimizer_class` built on the shard only, then all-gathers parameters.
+    reduce_gradients=False, the default, is ZeroRedundancyOptimizer's contract and serves
+    only its API (tests/test_zero.py holds the two equal; chapter 06 and exercise 06 teach
+    it): the gradients arrive averaged already (by DDP), finish_gradient_synchronization()
+    copies this rank's part of them into its shards once per step (`_taken`), step()
+    updates the shards with an `optimizer_class` built on them only and all-gathers.
 
-    reduce_gradients=True: the optimizer averages the gradients itself, with a
-    reduce-scatter that leaves each rank only its shard, so no DDP is needed (and the
-    bytes sent per step are those of one all-reduce). stage=1 reduce-scatters after
+    reduce_gradients=True, what training uses: the optimizer averages the gradients
+    itself, with a reduce-scatter that leaves each rank only its shard, so no DDP is
+    needed (and the bytes sent per step are those of one all-reduce). stage=1 reduce-scatters after
     backward, every bucket at once; stage=2 (implies reduce_gradients) reduce-scatters each
     bucket as soon as backward has produced it, asynchronously, and frees the full-size
     gradients at once. Under gradient accumulation, stage 1 accumulates full gradients
@@ -77,7 +79,7 @@ class ShardedOptimizer(ZeroBase):
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         groups, group_of, ordered = trainable_in_order(params, module)
         # buckets in the order backward produces the gradients: the reverse of the model's
-        units = [_Unit(b, group_of, self.rank, self.world)
+        units = [Unit(b, group_of, self.rank, self.world)
                  for b in make_buckets(list(reversed(ordered)), bucket_cap_mb)]
         if self.keeps_full_gradients:
             for u in units:
@@ -86,7 +88,7 @@ class ShardedOptimizer(ZeroBase):
                 for p, view in zip(u.params, u.views(u.flat_grad)):
                     p.grad = view
         super().__init__(units, groups, optimizer_class, defaults, stage, group, collectives)
-        self._taken = False  # ZeroRedundancyOptimizer's contract: gradients copied in
+        self._taken = False  # reduce_gradients=False only: this step's gradients copied in
         if self.reduce_gradients:
             for p in ordered:
                 p.register_post_accumulate_grad_hook(self._on_grad)
@@ -104,7 +106,7 @@ class ShardedOptimizer(ZeroBase):
         finally:
             self._no_sync = False
 
-    def _reduce(self, u: _Unit) -> None:
+    def _reduce(self, u: Unit) -> None:
         if not self.keeps_full_gradients:
             return super()._reduce(u)
         # stage 1: in place, in the persistent gradient buffer, the averaged shard its chunk
@@ -157,5 +159,5 @@ class ShardedOptimizer(ZeroBase):
             grads = sum(nbytes(u.grad_shard) + sum(nbytes(p.grad) for p in u.params
                                                    if p.grad is not None) for u in self.units)
         return {"params": sum(nbytes(u.flat) for u in self.units), "grads": grads,
-                "optimizer_state": self._state_bytes(), "padding_elements": sum(
+                "optimizer_state": self.optimizer_state_bytes(), "padding_elements": sum(
                     u.flat.numel() - sum(p.numel() for p in u.params) for u in self.units)}

@@ -40,7 +40,7 @@ import torch.nn as nn
 
 from minidist.ddp import make_buckets
 from minidist.zero.base import ZeroBase
-from minidist.zero.layout import _Unit, trainable_in_order
+from minidist.zero.layout import Unit, trainable_in_order
 
 
 class FullyShardedOptimizer(ZeroBase):
@@ -52,10 +52,12 @@ class FullyShardedOptimizer(ZeroBase):
     never cut). The module is used as it is: hooks on it gather and free parameters around
     every forward. `prefetch=False` gathers each block only when it is needed (to measure
     what prefetch gains). `others`: parameters another optimizer updates from the shards
-    (Muon's matrices: minidist/zero/muon.py), sharded and gathered here in units of their
+    (Muon's matrices: ShardedMuon, minidist/zero/muon.py), sharded and gathered here in units of their
     own, their gradients left alone. The optimizer API is ShardedOptimizer's: step(), zero_grad(),
     param_groups, no_sync() (a no-op: every micro-step reduce-scatters),
     finish_gradient_synchronization(), clip_grad_norm_(), memory_bytes()."""
+
+    shards_parameters = True
 
     def __init__(self, module: nn.Module, params, optimizer_class, group=None, prefetch: bool = True,
                  bucket_cap_mb: float | None = 25.0, collectives: str = "torch", others=(), **defaults):
@@ -67,7 +69,7 @@ class FullyShardedOptimizer(ZeroBase):
         # sharded and gathered like the rest, in units of their own, but their gradients
         # are left to that optimizer and their shards are not in the inner optimizer
         others = [p for p in dict.fromkeys(others) if p not in group_of]
-        make_units = lambda ps, of: [_Unit(b, of, self.rank, self.world)
+        make_units = lambda ps, of: [Unit(b, of, self.rank, self.world)
                                      for b in (make_buckets(ps, bucket_cap_mb) if ps else [])]
         mods = list(getattr(module, "blocks", []))
         wanted, theirs = set(ordered), {p: 0 for p in others}
@@ -103,7 +105,7 @@ class FullyShardedOptimizer(ZeroBase):
 
     # ---- gathering and freeing ------------------------------------------------------
 
-    def _gather(self, units: list[_Unit], wait: bool = True) -> None:
+    def _gather(self, units: list[Unit], wait: bool = True) -> None:
         for u in units:
             if u not in self._gathered:
                 u.flat.untyped_storage().resize_(u.flat.numel() * u.flat.element_size())
@@ -116,7 +118,7 @@ class FullyShardedOptimizer(ZeroBase):
             if work is not None:
                 work.wait()
 
-    def _free(self, units: list[_Unit]) -> None:
+    def _free(self, units: list[Unit]) -> None:
         for u in units:
             if u not in self._gathered:
                 continue
@@ -127,7 +129,7 @@ class FullyShardedOptimizer(ZeroBase):
             self._gathered.discard(u)
             self._gathered_bytes -= u.flat.numel() * u.flat.element_size()
 
-    def _next(self, i: int, step: int) -> list[_Unit]:
+    def _next(self, i: int, step: int) -> list[Unit]:
         j = i + step
         return self.blocks[j] if self.prefetch and 0 <= j < len(self.blocks) else []
 
@@ -154,7 +156,7 @@ class FullyShardedOptimizer(ZeroBase):
         self._gather(self.blocks[i])
         self._gather(self._next(i, -1), wait=False)
 
-    def _reduce(self, u: _Unit) -> None:
+    def _reduce(self, u: Unit) -> None:
         super()._reduce(u)  # reduce-scatter the gradients, free the full-size ones
         if u not in self.root:
             self._free([u])  # all its gradients are in: backward needs its weights no more
@@ -189,8 +191,13 @@ class FullyShardedOptimizer(ZeroBase):
         """Update the shards; the next forward gathers the updated values."""
         loss = closure() if closure is not None else None
         self.optim.step()
-        self._free(self.all_units)  # a unit still gathered (a forward with no backward) is stale now
+        self.free_gathered()
         return loss
+
+    def free_gathered(self, units=None) -> None:
+        """Free `units` (all by default) where gathered: once their shards have changed
+        (this step; ShardedMuon's on the `others`), a unit still gathered is stale."""
+        self._free(self.all_units if units is None else units)
 
     def memory_bytes(self) -> dict:
         """Tensor bytes this rank holds, by kind; params: the shards plus what is gathered."""
@@ -198,7 +205,7 @@ class FullyShardedOptimizer(ZeroBase):
         grads = sum(nbytes(u.grad_shard) + sum(nbytes(p.grad) for p in u.params if p.grad is not None)
                     for u in self.units)
         return {"params": sum(nbytes(u.shard) for u in self.all_units) + self._gathered_bytes,
-                "grads": grads, "optimizer_state": self._state_bytes(),
+                "grads": grads, "optimizer_state": self.optimizer_state_bytes(),
                 "padding_elements": sum(u.flat.numel() - sum(p.numel() for p in u.params)
                                         for u in self.units),
                 "peak_gathered": self.peak_gathered_bytes}

@@ -1,0 +1,110 @@
+"""Where a run resumes from: the checkpoint `--resume` names (or the newest intact one,
+for `--resume auto`), checked before any work: intact, saved by a run with the same
+settings, not past the run's end, and not mixed into another run's folder. Chapter 08
+(chapters/08_at_scale.md). Exercised by:
+
+    torchrun --standalone --nproc_per_node=2 --max-restarts=3 minidist/train_gpt.py \
+        --checkpoint-every 50 --resume auto
+    pytest tests/test_reliability.py tests/test_checkpoint_trust.py
+
+A restarted job (torchrun --max-restarts) runs the same command again: with `--resume auto`
+it must find the newest checkpoint it can trust, skip (with one line) one that a kill left
+damaged, and start fresh when there is none yet. minidist/checkpoint.py writes and reads
+the checkpoints; this module only decides which one to read.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from minidist import checkpoint
+from minidist.model import PRESETS
+
+
+def _resolved(settings: dict) -> dict:
+    """Model sizes as the run builds them (a checkpoint of an older run may hold None)."""
+    preset = PRESETS.get(settings.get("preset"), {})
+    return {k: preset.get(k) if v is None and k in ("n_layer", "n_head", "n_embd") else v
+            for k, v in settings.items()}
+
+
+def _same_settings(path: Path, settings: dict, may_change) -> None:
+    meta = checkpoint.read_meta(path)
+    extra = meta.get("extra", {}) if isinstance(meta, dict) else None
+    saved = extra.get("settings", {}) if isinstance(extra, dict) else None
+    if not isinstance(saved, dict):  # JSON, but not a checkpoint's: damaged, like a bad file
+        raise checkpoint.CheckpointError(f"{Path(path) / 'meta.json'}: not a minidist checkpoint's "
+                                         "metadata (no settings where they belong)")
+    saved = _resolved(saved)
+    changed = [f"{k}: {saved[k]!r} saved, {v!r} now" for k, v in _resolved(settings).items()
+               if k in saved and k not in may_change and saved[k] != v]
+    if changed:
+        raise ValueError(f"{path} was saved by a run with other settings ({'; '.join(changed)}): "
+                         "resume with the same ones, or start over in another folder")
+
+
+def find_resume(resume: str | None, root, settings: dict, may_change=()) -> Path | None:
+    """The checkpoint a run should resume from: resume="auto", the newest intact one under
+    `root` (None if there is none yet: a first start; a damaged, incomplete or unreadable
+    one is skipped with one line, so a restarted job does not fail the same way on every
+    attempt); a path, that checkpoint, which must be intact; None, nothing. Raises
+    ValueError, before any work, if it was saved with other `settings` than these (keys in
+    `may_change` may differ: how the run is spread, not what it computes)."""
+    if resume is None:
+        return None
+    if resume != "auto":
+        _same_settings(Path(resume), settings, may_change)
+        bad = checkpoint.verify(resume)
+        if bad:
+            raise ValueError(f"{bad[0]}: this checkpoint is damaged; resume from an earlier one "
+                             "(--resume auto picks the newest intact one)")
+        return Path(resume)
+    found = checkpoint.list_checkpoints(root)
+    for path in reversed(found):
+        try:
+            _same_settings(path, settings, may_change)
+            bad = checkpoint.verify(path)
+        except (checkpoint.CheckpointError, OSError) as e:  # (other settings: a ValueError, raised)
+            bad = [str(e)]
+        except (KeyError, TypeError, AttributeError, IndexError) as e:  # a meta.json of another shape
+            bad = [f"{path / 'meta.json'}: not a minidist checkpoint's ({type(e).__name__}: {e})"]
+        if not bad:
+            return path
+        if os.environ.get("RANK", "0") == "0":  # one line, not one per rank
+            print(f"--resume auto: skipping {path.name}, damaged ({bad[0]})", file=sys.stderr)
+    if found:
+        raise ValueError(f"every checkpoint in {root} is damaged ({len(found)}): delete them, or "
+                         "use another --out-dir, to start over")
+    return None
+
+
+def resume_from(resume: str | None, root, checkpoint_every: int, settings: dict, may_change=()):
+    """train_gpt's --resume, checked before any work: the checkpoint to resume from (None: a
+    fresh start), or ValueError saying what to change. A fresh run, or one resumed from a
+    checkpoint elsewhere, is refused where `root` holds another run's checkpoints, which its
+    own would be mixed with and pruned: --resume auto continues that run, another --out-dir
+    starts a new one."""
+    if resume not in (None, "auto") and not Path(resume).is_dir():
+        why = "a file, not a checkpoint folder" if Path(resume).exists() else "no such folder"
+        raise ValueError(f"{resume} is not a complete minidist checkpoint ({why}): name a checkpoint "
+                         "folder (OUT_DIR/checkpoints/step_NNNNNNNN), or use --resume auto")
+    if checkpoint_every and checkpoint.latest(root):
+        if resume is None:
+            raise ValueError(f"{root} holds checkpoints of an earlier run: --resume auto continues it; "
+                             "another --out-dir (or deleting them) starts over")
+        if resume != "auto" and Path(resume).resolve().parent != Path(root).resolve():
+            raise ValueError(f"{root} holds checkpoints of another run, which a run resumed from {resume} "
+                             "would mix its own with and prune: give the resumed run another --out-dir, "
+                             "or use --resume auto to continue the run that is there")
+    try:
+        found = find_resume(resume, root, settings, may_change)
+        if found and settings.get("steps") is not None:  # a step past the end trains nothing
+            checkpoint.check_step(found, settings["steps"])
+    except OSError as e:
+        raise ValueError(str(e)) from None
+    except (KeyError, TypeError, AttributeError, IndexError) as e:  # a meta.json of another shape
+        raise ValueError(f"{resume}: not a readable minidist checkpoint ({type(e).__name__}: {e}); "
+                         "name another checkpoint folder, or use --resume auto") from None
+    return found and str(found)
