@@ -2,9 +2,9 @@
 in minidist/tensor_parallel.py: attention by heads, the MLP by its hidden width, the token
 embedding and the tied head by vocabulary, with a cross entropy that never gathers the
 logits. `parallelize(model, tp_group, sequence_parallel)` returns this rank's shard;
-`shard_spec` says which slice of which full tensor each parameter is. Then the closed
-forms: bytes per step, parameter bytes per rank, activation bytes per layer (ours, exact,
-and Korthikanti et al.'s).
+`shard_spec` says which slice of which full tensor each parameter is. The closed forms
+(bytes per step, parameters and activations per rank, a GPU node's predicted step time)
+are in minidist/tensor_parallel_cost.py.
 
 Chapter 10 (chapters/10_tensor_parallel.md). Exercised by `pytest -q tests/test_tensor_parallel.py`
 and `torchrun --standalone --nproc_per_node=4 minidist/train_gpt.py --tp 2` (dp 2 x tp 2).
@@ -26,7 +26,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minidist.cost_model import SENT_FRACTION
 from minidist.model import GPT
 from minidist.tensor_parallel import (ColumnParallelLinear, LayerNorm, RowParallelLinear, dropout,
                                       reduce_from_region, reduce_scatter_sequence, shard_param,
@@ -271,77 +270,7 @@ def shard_spec(model: nn.Module) -> dict:
     return {name: getattr(p, "tp_shard", None) for name, p in model.named_parameters()}
 
 
-# ------------------------------------------------------------------ closed forms
-
-def comm_bytes(cfg, B: int, T: int, tp: int, sequence_parallel: bool = False,
-               regather: bool = True, elem: int = 4) -> dict:
-    """Bytes one forward + backward of B sequences of T tokens hands to each collective on
-    each rank (all-reduce: the tensor; all-gather: its output; reduce-scatter: its input),
-    and "sent", what a ring puts on the wire.
-
-    Without sequence parallelism: per layer 4 all-reduces of B T C elements (g forward
-    and f backward, attention and MLP), plus the embedding's g, the head's f, and the
-    loss's 3 all-reduces of B T. With it, each all-reduce becomes an all-gather and a
-    reduce-scatter: the same bytes sent, 2 (t-1)/t of the tensor. Regathering adds one
-    all-gather per column-parallel layer (2 per block, 1 for the head) in backward; the
-    replicated parameters used on positions (used_on_positions) add their gradients,
-    all-reduced in backward, one all-reduce per use."""
-    if tp == 1:
-        return dict(all_reduce=0, all_gather=0, reduce_scatter=0, sent=0.0)
-    N, C, L, b = B * T, cfg.n_embd, cfg.n_layer, int(cfg.bias)
-    act = N * C * elem
-    out = dict(all_reduce=3 * N * 4, all_gather=0, reduce_scatter=0)  # the loss, fp32
-    if not sequence_parallel:
-        out["all_reduce"] += (4 * L + 2) * act
-    else:
-        out["reduce_scatter"] = (4 * L + 2) * act
-        out["all_gather"] = (4 * L + 2 + (2 * L + 1) * regather) * act
-        replicated = cfg.block_size * C + L * (2 * C * (1 + b) + 2 * C * b) + C * (1 + b)
-        out["all_reduce"] += replicated * 4  # fp32 gradients
-    out["sent"] = sum(SENT_FRACTION[k](tp) * v for k, v in out.items())
-    return out
-
-
-def param_bytes(cfg, tp: int, rank: int = 0, elem: int = 4) -> int:
-    """Bytes of one rank's parameters: the split matrices and their split biases / tp,
-    the vocabulary rows of its range, the replicated rest (layer norms, wpe, the
-    row-parallel biases) whole."""
-    C, L, b = cfg.n_embd, cfg.n_layer, int(cfg.bias)
-    start, stop = shard_range(cfg.vocab_size, rank, tp)
-    block = 12 * C * C // tp + 7 * C * b // tp + 2 * C * b + 2 * C * (1 + b)
-    return elem * ((stop - start) * C + cfg.block_size * C + L * block + C * (1 + b))
-
-
-def tp_block_activation_bytes(B: int, T: int, d: int, H: int, tp: int = 1,
-                           sequence_parallel: bool = False, regather: bool = True) -> int:
-    """Bytes one ParallelBlock saves for backward, fp32, dropout off (chapter 09's count,
-    minidist.memory.block_activation_bytes, is the tp = 1 case: B T (64 d + 4 H + 16)).
-
-    Per token: the block's input and the residual after attention (4d each) with their
-    LayerNorms' mean and 1/std (8 each), and the two LayerNorm outputs (4d each), are
-    replicated: 16 d + 16. Split t ways: q k v (12 d), the attention output (4 d), the
-    MLP hidden and its GELU (16 d each), SDPA's logsumexp (4 per head): (48 d + 4 H) / t.
-    Sequence parallelism splits the replicated part too, over positions: all / t; unless
-    the gathered inputs of the two column-parallel layers are kept (regather=False):
-    then 2 x 4 d of the whole sequence instead of 2 x 4 d / t."""
-    if not sequence_parallel:
-        return B * T * (16 * d + 16) + B * T * (48 * d + 4 * H) // tp
-    out = B * T * (64 * d + 4 * H + 16) // tp
-    return out if regather else out + 8 * B * T * d - 8 * B * T * d // tp
-
-
-def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1,
-                                 sequence_parallel: bool = False) -> float:
-    """Korthikanti et al. (2022), bytes per layer, 16-bit activations, 1-byte dropout masks:
-    s b h (34 + 5 a s / h); tensor-parallel s b h (10 + 24/t + 5 a s / (h t)); with
-    sequence parallelism s b h / t (34 + 5 a s / h).
-
-    Ours (tp_block_activation_bytes) against it: without dropout the two residual masks go
-    (34 -> 32, 10 -> 8); with SDPA the a s^2 scores and their mask are never stored (the
-    5 a s / h term becomes SDPA's logsumexp, 4 a bytes per token in fp32); fp32 doubles each element
-    (32 -> 64, 8 -> 16, 24 -> 48); and we count LayerNorm's statistics (16 per token). So
-    ours / theirs -> 64 / 34 (~1.9) for wide layers and short sequences, and falls far
-    below 1 for long sequences, where the paper's a s^2 term dominates."""
-    if sequence_parallel:
-        return s * b * h / t * (34 + 5 * a * s / h)
-    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+# the closed forms (bytes, parameters, activations), here for the notebook and the tests
+# that name them from this module
+from minidist.tensor_parallel_cost import (comm_bytes, korthikanti_activation_bytes,  # noqa: E402,F401
+                                           param_bytes, tp_block_activation_bytes)

@@ -135,7 +135,7 @@ FLOORS = {
     "ground": {"dist", "launch", "pool", "model", "data", "metrics", "faults"},
     "techniques": {"comm", "ddp", "scaler", "muon", "newton_schulz", "checkpoint", "checkpoint_io",
                    "checkpoint_schema", "resume",
-                   "cost_model", "recompute", "memory", "plan", "tensor_parallel", "mesh",
+                   "cost_model", "recompute", "memory", "plan", "tensor_parallel", "mesh", "tensor_parallel_cost",
                    "tensor_parallel_gpt"},
     "zero": {"zero", "zero.*"},  # stands on ddp (make_buckets) and comm
     "train": {"train"},  # the training library, on every technique and ZeRO
@@ -151,7 +151,8 @@ SAME_FLOOR = {  # module: what it may import on its own floor
     "mesh": {"ddp"},
     "memory": {"cost_model", "scaler", "recompute"},
     "plan": {"cost_model", "memory", "recompute"},
-    "tensor_parallel_gpt": {"tensor_parallel", "cost_model", "memory"},
+    "tensor_parallel_gpt": {"tensor_parallel", "tensor_parallel_cost", "cost_model", "memory"},
+    "tensor_parallel_cost": {"tensor_parallel", "cost_model"},
     "train_gpt": {"flags"},
     "flags": {"flag_types"},
     "bench": {"flags"},  # cpu_default reads AUTO, train_gpt's defaults

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from minidist import memory
 from minidist import tensor_parallel as tp
+from minidist import tensor_parallel_cost as tpc
 from minidist import tensor_parallel_gpt as tpg
 from minidist.cost_model import SENT_FRACTION
 from minidist.model import GPT, GPTConfig
@@ -357,13 +358,13 @@ def test_bytes_per_step_equal_the_closed_form(ranks, t):
     for r in ranks[t]:
         counted = r["bytes"]
         for (sp, rg), c in counted.items():
-            want = tpg.comm_bytes(cfg, B, T, t, sp, rg)
+            want = tpc.comm_bytes(cfg, B, T, t, sp, rg)
             assert c["step"] == {k: v for k, v in want.items() if k != "sent" and v}, (sp, rg)
             assert c["step_sent"] == pytest.approx(want["sent"])
         # the all-gather and reduce-scatter that replace each all-reduce send what it sent
         assert counted[True, True]["forward_sent"] == pytest.approx(counted[False, True]["forward_sent"])
         # and the formula's own split: per layer 4 all-reduces of B T C fp32 elements
-        no_sp = tpg.comm_bytes(cfg, B, T, t)["all_reduce"]
+        no_sp = tpc.comm_bytes(cfg, B, T, t)["all_reduce"]
         assert no_sp == (4 * cfg.n_layer + 2) * B * T * cfg.n_embd * 4 + 3 * B * T * 4
 
 
@@ -372,9 +373,9 @@ def test_parameter_bytes_per_rank_equal_the_formula(ranks, t):
     cfg = GPTConfig(**UNEVEN)
     for rank, r in enumerate(ranks[t]):
         for c in r["bytes"].values():
-            assert c["params"] == tpg.param_bytes(cfg, t, rank)
+            assert c["params"] == tpc.param_bytes(cfg, t, rank)
     # one rank holding everything is the full model
-    assert tpg.param_bytes(cfg, 1) == 4 * sum(p.numel() for p in _full(UNEVEN).parameters())
+    assert tpc.param_bytes(cfg, 1) == 4 * sum(p.numel() for p in _full(UNEVEN).parameters())
 
 
 @pytest.mark.parametrize("t", [2, 4])
@@ -383,15 +384,15 @@ def test_activation_bytes_equal_the_formula(ranks, t):
     for r in ranks[t]:
         counted = {k: c["saved"] for k, c in r["bytes"].items()}
         for (sp, rg), per_block in counted.items():
-            assert per_block == [tpg.tp_block_activation_bytes(B, T, d, H, t, sp, rg)] * 2, (sp, rg)
+            assert per_block == [tpc.tp_block_activation_bytes(B, T, d, H, t, sp, rg)] * 2, (sp, rg)
         # chapter 09's block, whole on one process, is the tp = 1 case ...
-        assert tpg.tp_block_activation_bytes(B, T, d, H) == memory.block_activation_bytes(B, T, d, H)
+        assert tpc.tp_block_activation_bytes(B, T, d, H) == memory.block_activation_bytes(B, T, d, H)
         # ... and sequence parallelism divides all of it by t, as Korthikanti's formula does
         ratio = counted[True, True][0] / counted[False, True][0]
-        assert ratio == (tpg.tp_block_activation_bytes(B, T, d, H, t, True)
-                         / tpg.tp_block_activation_bytes(B, T, d, H, t, False))
+        assert ratio == (tpc.tp_block_activation_bytes(B, T, d, H, t, True)
+                         / tpc.tp_block_activation_bytes(B, T, d, H, t, False))
         assert counted[True, True][0] * t == memory.block_activation_bytes(B, T, d, H)
-        k = tpg.korthikanti_activation_bytes
+        k = tpc.korthikanti_activation_bytes
         assert k(T, B, d, H, t, True) * t == pytest.approx(k(T, B, d, H))
 
 
