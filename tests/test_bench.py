@@ -3,6 +3,8 @@ asserted here (timed tests on a shared 2-core machine would be noise): the bench
 ratios, and the alpha-beta fit is checked against data whose alpha and beta are known."""
 
 import json
+
+import pytest
 import sys
 
 from minidist import cost_model as cm
@@ -78,6 +80,25 @@ def test_zero_benchmark_quick(tmp_path):
         assert abs(held / f - 1) < 0.05, (name, held, f)
     assert set(run2["step_s"]) == set(zero.VARIANTS)
     assert (tmp_path / "zero.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_tp_benchmark_quick(tmp_path):
+    """Chapter 10's benchmark, quick, 2 ranks: what it counts on the real run (bytes handed
+    to collectives, parameter bytes, a block's saved activations) equals the closed forms
+    at every layout, and the step times and torch's comparison are there."""
+    r = run([sys.executable, "-m", "minidist.bench", "tp", "--quick", "--world-sizes", "2",
+             "--out", str(tmp_path)], timeout=600)
+    assert r.returncode == 0, r.stderr
+    run2 = json.loads((tmp_path / "tp.json").read_text())["runs"]["2"]
+    layouts = [k for k in run2 if k.startswith("tp ")]
+    assert layouts == ["tp 1", "tp 2", "tp 2 sp"]
+    for k in layouts:
+        m = run2[k]
+        assert m["sent"] == pytest.approx(m["sent_formula"]) and m["params"] == m["params_formula"], k
+        assert m["saved"] == m["saved_formula"] and m["step_s"] > 0 and m["predicted"] > 0, k
+    assert run2["tp 2"]["sent"] > 0 == run2["tp 1"]["sent"]
+    assert set(run2["mlp"]) == {"ours", "torch"} and min(run2["mlp"].values()) > 0
+    assert (tmp_path / "tp.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_checksums_benchmark_quick():

@@ -13,6 +13,9 @@ prints a table and writes NAME.json and NAME.png into --out:
     muon         chapter 07: Newton-Schulz vs torch's, distributed Muon, Muon vs AdamW, and
                  Muon under ZeRO stages 0-3 vs AdamW at the same stage
     muon_zero    that last table alone
+    tp           chapter 10: tensor parallelism at tp 1, 2, 4: bytes, parameters, activations
+                 against the formulas, step time beside a GPU node's predicted; our parallel
+                 MLP vs torch's DTensor plans
     scale        chapter 08: minidist.cost_model from 8 to 1024 GPUs (no processes)
     checksums    chapter 08: checkpoint save and load with and without their CRC-32s
     all          every one above, then report.md (minidist/bench/report.py); exit status 1
@@ -25,7 +28,7 @@ import argparse
 import json
 from pathlib import Path
 
-from minidist.bench import checksums, collectives, ddp, muon, muon_zero, report, scale, zero
+from minidist.bench import checksums, collectives, ddp, muon, muon_zero, report, scale, tp, zero
 
 
 def all_benchmarks(args) -> dict:
@@ -33,7 +36,7 @@ def all_benchmarks(args) -> dict:
 
 
 BENCHMARKS = {"collectives": collectives.run, "ddp": ddp.run, "zero": zero.run, "muon": muon.run,
-              "muon_zero": muon_zero.cli, "scale": scale.run, "checksums": checksums.run,
+              "muon_zero": muon_zero.cli, "scale": scale.run, "checksums": checksums.run, "tp": tp.run,
               "all": all_benchmarks}
 
 
