@@ -285,7 +285,7 @@ class ShardedGradAccumulator:
         padded = torch.zeros(self.chunk * self.world)
         padded[:flat_grad.numel()] = flat_grad
         out = torch.empty(self.chunk)
-        dist.reduce_scatter_tensor(out, padded, group=self.group)  # the sum over ranks
+        dist.reduce_scatter_single(out, padded, group=self.group)  # the sum over ranks
         self.shard.copy_(out.div_(self.world))
 
     def zero(self) -> None:

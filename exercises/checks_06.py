@@ -290,7 +290,7 @@ class ReferenceGradAccumulator:
         padded = torch.zeros(self.chunk * self.world)
         padded[:flat_grad.numel()] = flat_grad
         out = torch.empty(self.chunk)
-        dist.reduce_scatter_tensor(out, padded, group=self.group)
+        dist.reduce_scatter_single(out, padded, group=self.group)
         self.shard += out.div_(self.world)
 
     def zero(self) -> None:
