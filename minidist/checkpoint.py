@@ -8,16 +8,18 @@
 A checkpoint is a folder, out/checkpoints/step_00000100/: one file per rank that saved it,
 and a meta.json. Each rank writes only what it holds and nobody else does: its ZeRO shard
 of the optimizer state (at stage 3, of the parameters too), the momentum of the matrices
-it owns under Muon, its share of what is replicated (parameter i: rank i mod N). No rank
-gathers the whole model, which at scale would not fit.
+it owns under Muon, its tensor-parallel slices (chapter 10), its share of what is
+replicated (balanced by bytes). No rank gathers the whole model, which at scale would not fit.
 
 What makes it independent of the world size is how a piece is named: not "rank 3's
 shard" but "elements [start, start + n) of the flattened tensor KEY", where KEY is a
 parameter's name ("model/blocks.0.attn.c_attn.weight") or one of its optimizer state's
-("optim0/blocks.0.attn.c_attn.weight/exp_avg"). Resuming on M ranks, each rank works out
-which elements of which keys it now holds, and copies them from whichever pieces overlap
-them, whatever N and whichever ZeRO stage wrote them. The files are memory-mapped, so a
-rank reads only the bytes it needs.
+("optim0/blocks.0.attn.c_attn.weight/exp_avg"), always the full model's tensor. Resuming
+on M ranks, each rank works out which elements of which keys it now holds, and copies
+them from whichever pieces overlap them, whatever N, ZeRO stage and --tp wrote them
+(a slice by columns is a run of elements per row: minidist/checkpoint_slots.py, what a
+rank holds and who writes it). The files are memory-mapped, so a rank reads only the
+bytes it needs.
 
 Atomic: the ranks write into a hidden folder; once all have (a barrier), rank 0 writes
 meta.json and renames the folder into place. A rename is atomic, so a kill at any moment
@@ -46,7 +48,6 @@ import math
 import os
 import shutil
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -55,71 +56,9 @@ from minidist.checkpoint_io import (FORMAT, JUNK, MARKER, CheckpointError,  # no
                                     CheckpointPastEndError, Reader, atomic_write, check_step, fsync,
                                     latest, list_checkpoints, main, prune, read_meta, shard_checksums,
                                     shard_name, verify, why_failed, write_meta, written_by_minidist)
+from minidist.checkpoint_slots import Layout, PieceIndex
 from minidist.dist import barrier_or_failure, rank_and_world
 from minidist.faults import inject_fault
-
-# ---- what a rank holds: slots -------------------------------------------------------
-
-class Slot(NamedTuple):
-    """Elements [start, start + tensor.numel()) of the flattened tensor `key` (full shape
-    `shape`) live in `tensor` on this rank. `write`: this rank is the one that saves it."""
-    key: str
-    shape: tuple
-    start: int
-    tensor: torch.Tensor
-    write: bool = True
-
-
-def _writers(tensors: list, world: int) -> list[int]:
-    """Which rank saves each replicated tensor: largest first, each to the rank with the
-    fewest bytes so far, so that the files come out about the same size."""
-    load, out = [0] * world, [0] * len(tensors)
-    for i in sorted(range(len(tensors)), key=lambda i: (-tensors[i].numel(), i)):
-        out[i] = min(range(world), key=lambda r: (load[r], r))
-        load[out[i]] += tensors[i].numel() * tensors[i].element_size()
-    return out
-
-
-def _holders(opt, names: dict, rank: int, world: int):
-    """(name, shape, start, holder, cut, write) for each range of a parameter's elements
-    whose optimizer state lives in `holder` (a key of opt.state) on this rank: the state's
-    elements `cut` = (a, b) of the holder (None: all of them). `write`: this rank saves it.
-
-    An optimizer that shards its state (ZeRO, Muon) says what this rank holds through
-    opt.state_pieces() -> (state, params), state being (param, start, holder, a, b): the
-    param's flattened elements [start, start + b - a) are the holder's [a, b). Every such
-    piece is this rank's alone, so it writes them all. Any other optimizer is replicated:
-    every rank has all of it, and one rank writes each parameter's state."""
-    if hasattr(opt, "state_pieces"):
-        for p, start, holder, a, b in opt.state_pieces()[0]:
-            yield names[id(p)], tuple(p.shape), start, holder, (a, b), True
-        return
-    params = [p for g in opt.param_groups for p in g["params"]]
-    for p, writer in zip(params, _writers(params, world)):
-        yield names[id(p)], tuple(p.shape), 0, p, None, writer == rank
-
-
-def _model_slots(model, optimizers, names, rank, world) -> list[Slot]:
-    """The parameters and persistent buffers: a parameter that an optimizer holds only as
-    pieces (ZeRO-3: state_pieces()'s params) is saved piece by piece, by each holder; any
-    other is replicated, and one rank writes it."""
-    persistent = set(model.state_dict())
-    buffers = [(n, b) for n, b in model.named_buffers() if n in persistent]
-    slots = [Slot(f"model/{n}", tuple(b.shape), 0, b.view(-1), w == rank)
-             for (n, b), w in zip(buffers, _writers([b for _, b in buffers], world))]
-    pieces = [piece for o in optimizers if hasattr(o, "state_pieces") for piece in o.state_pieces()[1]]
-    slots += [Slot(f"model/{names[id(p)]}", tuple(p.shape), start, t) for p, start, t in pieces
-              if t.numel()]  # (an empty piece: sharded, but none of it on this rank)
-    in_pieces = {id(p) for p, _, _ in pieces}
-    params = [p for p in {id(p): p for p in model.parameters()}.values()  # a tied one once
-              if id(p) not in in_pieces]
-    return slots + [Slot(f"model/{names[id(p)]}", tuple(p.shape), 0, p.detach().view(-1), w == rank)
-                    for p, w in zip(params, _writers(params, world))]
-
-
-def _names(model) -> dict:
-    return {id(p): n for n, p in model.named_parameters()}  # a tied parameter: its first name
-
 
 # ---- saving ------------------------------------------------------------------------
 
@@ -169,20 +108,19 @@ def save(root, step: int, model, optimizers, scaler=None, extra: dict | None = N
     written, if a weight, an optimizer state or the loss scale is inf or NaN."""
     rank, world, root = *rank_and_world(), Path(root)
     final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
-    # what this rank writes, still where it lives (GPU or CPU): (key, shape, start, tensor)
-    names = _names(model)
-    pieces = [(s.key, s.shape, s.start, s.tensor.detach())
-              for s in _model_slots(model, optimizers, names, rank, world) if s.write]
+    # what this rank writes, still where it lives (GPU or CPU): (key, full shape, runs, tensor)
+    layout = Layout(model)  # (a collective when the model is tensor-parallel: who holds what)
+    pieces = [(s.key, s.shape, s.runs, s.tensor.detach()) for s in layout.slots(model, optimizers) if s.write]
     scalars = {}
     for i, opt in enumerate(optimizers):
-        for name, shape, start, holder, cut, write in _holders(opt, names, rank, world):
+        for name, shape, runs, holder, cut, write in layout.holders(opt):
             for k, v in opt.state.get(holder, {}).items():
                 key = f"optim{i}/{name}/{k}"
                 if not (torch.is_tensor(v) and v.dim() > 0):
                     scalars[key] = v.detach() if torch.is_tensor(v) else v
                 elif write:
                     flat = v.detach().view(-1)
-                    pieces.append((key, shape, start, flat if cut is None else flat[cut[0]:cut[1]]))
+                    pieces.append((key, shape, runs, flat if cut is None else flat[cut[0]:cut[1]]))
     scaler_state = scaler.state_dict() if scaler is not None else {}
     groups = {"model": [], **{f"optimizer {i}": [] for i in range(len(optimizers))},
               "loss scale": [torch.tensor([float(scaler_state.get("scale", 1.0))])]}
@@ -217,8 +155,10 @@ def save(root, step: int, model, optimizers, scaler=None, extra: dict | None = N
                            "the previous ones are untouched")
     rng = {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()}
                                             if torch.cuda.is_initialized() else {})}
-    # clone: only these bytes (torch.save writes a view's whole storage)
-    shard = {"pieces": [(k, shape, start, t.cpu().clone()) for k, shape, start, t in pieces],
+    # clone: only these bytes (torch.save writes a view's whole storage); each run a piece,
+    # a view of its slot's one copy (a shard's rows: one storage in the file, not one each)
+    shard = {"pieces": [(k, shape, s, copy[o:o + n]) for k, shape, runs, t in pieces
+                        for copy in [t.cpu().clone()] for o, s, n in runs],
              "scalars": {k: v.cpu().clone() if torch.is_tensor(v) else v for k, v in scalars.items()},
              "rng": rng, "rank": rank,
              "identity": {"id": ckpt_id, "step": step, "rank": rank, "world_size": world}}
@@ -285,16 +225,16 @@ def load(path, model, optimizers, scaler=None, total_steps: int | None = None) -
     r = Reader(path)
     if total_steps is not None:
         check_step(r.meta, total_steps)
-    names = _names(model)
-    fills, problems = [], []  # (destination 1-D tensor, key, start), checked first
-    for s in _model_slots(model, optimizers, names, rank, world):
+    layout = Layout(model)  # (a collective when the model is tensor-parallel)
+    fills, problems = [], []  # (destination 1-D tensor, key, runs), checked first
+    for s in layout.slots(model, optimizers):
         if s.key not in r.shapes:
             problems.append(f"{s.key} is not in the checkpoint")
         elif r.shapes[s.key] != s.shape:
             problems.append(f"{s.key}: {r.shapes[s.key]} in the checkpoint, {s.shape} here")
         else:
-            fills.append((s.tensor, s.key, s.start))
-    wanted = {f"model/{n}" for n in [*names.values(), *model.state_dict()]}
+            fills.append((s.tensor, s.key, s.runs))
+    wanted = {f"model/{n}" for n in [*layout.names.values(), *model.state_dict()]}
     problems += [f"{k} is in the checkpoint but not in this model"
                  for k in r.shapes if k.startswith("model/") and k not in wanted]
     if len(r.meta["optimizers"]) != len(optimizers):
@@ -302,12 +242,12 @@ def load(path, model, optimizers, scaler=None, total_steps: int | None = None) -
     problems += [f"optimizer {i}: {len(saved['param_groups'])} param groups saved, {len(o.param_groups)} here"
                  for i, (o, saved) in enumerate(zip(optimizers, r.meta["optimizers"]))
                  if len(saved["param_groups"]) != len(o.param_groups)]
-    states = []  # (optimizer, holder, state key, value or (key, start, cut))
+    states = []  # (optimizer, holder, state key, value or (key, runs, cut))
     for i, opt in enumerate(optimizers):
-        for name, shape, start, holder, cut, _ in _holders(opt, names, rank, world):
+        for name, shape, runs, holder, cut, _ in layout.holders(opt):
             prefix = f"optim{i}/{name}/"
             for key in [k for k in r.shapes if k.startswith(prefix)]:
-                states.append((opt, holder, key[len(prefix):], (key, start, cut)))
+                states.append((opt, holder, key[len(prefix):], (key, runs, cut)))
             for key in [k for k in r.scalars if k.startswith(prefix)]:
                 states.append((opt, holder, key[len(prefix):], r.scalars[key]))
     if problems:
@@ -317,17 +257,17 @@ def load(path, model, optimizers, scaler=None, total_steps: int | None = None) -
                          + "\nresume with the same model and optimizer flags as the run that saved it")
     # the bytes this rank is about to read match their checksums, before anything changes
     r.verify({key for _, key, _ in fills} | {v[0] for *_, v in states if isinstance(v, tuple)})
+    index = PieceIndex(r)
     with torch.no_grad():
-        for dest, key, start in fills:
-            dest.copy_(r.read(key, start, dest.numel()))
+        for dest, key, runs in fills:
+            index.fill(dest, key, runs)
         for opt, holder, k, value in states:
             st = opt.state[holder]  # (ZeRO's .state is its inner optimizer's)
             if isinstance(value, tuple):  # elementwise: fill this holder's range of it
-                key, start, cut = value
+                key, runs, cut = value
                 if k not in st:
                     st[k] = torch.zeros_like(holder)
-                dest = st[k].view(-1) if cut is None else st[k].view(-1)[cut[0]:cut[1]]
-                dest.copy_(r.read(key, start, dest.numel()))
+                index.fill(st[k].view(-1) if cut is None else st[k].view(-1)[cut[0]:cut[1]], key, runs)
             else:
                 st[k] = value.clone() if torch.is_tensor(value) else value
         for opt, saved in zip(optimizers, r.meta["optimizers"]):

@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--keep-checkpoints", type=positive_int, default=2, help="the newest checkpoints to keep")
     a("--resume", help="'auto': continue from the newest checkpoint in OUT_DIR/checkpoints if "
       "there is one (for torchrun --max-restarts); or a checkpoint folder, saved on any number "
-      "of ranks at any --zero-stage (into an --out-dir without another run's checkpoints)")
+      "of ranks at any --zero-stage and --tp (into an --out-dir without another run's checkpoints)")
     a("--debug-collectives", action="store_true",
       help="check every collective against every rank's; name the first that differs (slow)")
     return p
@@ -121,7 +121,8 @@ MAY_CHANGE_ON_RESUME = {"device", "dp", "bucket_cap_mb", "zero_stage", "grad_acc
                         "loss_scale_hysteresis", "eval_interval", "eval_windows", "log_interval",
                         "final_eval_windows", "sample_tokens", "out_dir", "checkpoint_every",
                         "keep_checkpoints", "resume", "debug_collectives",
-                        "activation_checkpointing", "memory_budget_gb", "plan"}
+                        "activation_checkpointing", "memory_budget_gb", "plan",
+                        "tp", "sequence_parallel"}  # checkpoints hold full tensors' ranges
 
 
 def resolve_args(args, world_size: int) -> argparse.Namespace:
@@ -135,8 +136,6 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but CUDA is not available: use --device cpu")
-    if args.tp > 1 and args.optimizer is None:
-        args.optimizer = "adamw"  # (Muon on tensor-parallel shards is not built yet)
     for k, v in AUTO[args.device].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -233,9 +232,7 @@ def _check_tensor_parallel(p, args, world_size: int) -> None:
     not_built = [(args.zero_stage in (3, "auto"), "--zero-stage 3 or auto", "--zero-stage 0, 1 or 2"),
                  ("auto" in (args.grad_accum_steps, args.activation_checkpointing),
                   "the planner's auto flags", "numbers for --grad-accum-steps and none/blocks"),
-                 (args.optimizer == "muon", "--optimizer muon", "--optimizer adamw"),
-                 (bool(args.checkpoint_every or args.resume), "checkpoints (--checkpoint-every, --resume)",
-                  "--tp 1 for a run that saves or resumes")]
+                 ]  # (checkpoints are built: saved by full name and range, they resume at any --tp)
     for refused, name, use in not_built:
         if refused:
             p.error(f"{what} with {name} is not built yet: use {use}")

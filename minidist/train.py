@@ -22,6 +22,7 @@ from minidist.ddp import DDP, FlatDDP, NaiveDDP
 from minidist.mesh import MeshSync
 from minidist.muon import Muon, split_params
 from minidist.scaler import LossScaler, autocast
+from minidist.tensor_parallel_muon import TensorParallelMuon, tensor_parallel_group
 from minidist.zero import muon_for_zero, muon_under_zero, zero_optimizer
 
 
@@ -30,8 +31,10 @@ def make_optimizers(model, args, group=None) -> list[torch.optim.Optimizer]:
     hidden matrices plus AdamW for embeddings, head, gains and biases (under ZeRO stages
     1-2 AdamW's in the shards, Muon's matrices whole; at stage 3 Muon's matrices sharded
     too, by the ZeRO-3 optimizer, for Muon to update: gradient_sync joins them). Each group
-    remembers its peak lr. `group`: the ranks ZeRO shards over (chapter 10's mesh: the
-    data-parallel group; all ranks by default)."""
+    remembers its peak lr. `group`: the ranks ZeRO shards over and Muon deals its matrices
+    over (chapter 10's mesh: the data-parallel group; all ranks by default). On a
+    tensor-parallel model Muon orthogonalises the whole matrices its shards cut
+    (minidist/tensor_parallel_muon.py, gathered: the same arithmetic as one process)."""
     hidden, rest = split_params(model) if args.optimizer == "muon" else ([], list(model.parameters()))
     groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": args.weight_decay},
               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
@@ -44,7 +47,12 @@ def make_optimizers(model, args, group=None) -> list[torch.optim.Optimizer]:
     if hidden:
         muon = dict(lr=args.muon_lr, momentum=args.muon_momentum, weight_decay=args.muon_weight_decay,
                     ns_coefficients=getattr(args, "muon_ns_coefficients", "jordan"))
-        opts.append(muon_for_zero(opts[0], hidden, **muon) if args.zero_stage else Muon(hidden, **muon))
+        tp_group = tensor_parallel_group(model)  # chapter 10: Muon's matrices are shards
+        if tp_group is not None:  # (stages 1-2: whole shards on every dp rank, as Muon wants)
+            opts.append(TensorParallelMuon(hidden, tp_group, "gather", group=group, **muon))
+        else:
+            opts.append(muon_for_zero(opts[0], hidden, group=group, **muon) if args.zero_stage
+                        else Muon(hidden, group=group, **muon))
     for g in (g for o in opts for g in o.param_groups):
         g["peak_lr"] = g["lr"]
     return opts

@@ -134,9 +134,10 @@ def test_notebook_runs_top_to_bottom(nb, monkeypatch):
 FLOORS = {
     "ground": {"dist", "launch", "pool", "model", "data", "metrics", "faults"},
     "techniques": {"comm", "ddp", "scaler", "muon", "newton_schulz", "checkpoint", "checkpoint_io",
-                   "checkpoint_schema", "resume",
+                   "pipeline", "pipeline_measure",  # chapter 11
+                   "checkpoint_schema", "checkpoint_slots", "resume",
                    "cost_model", "recompute", "memory", "plan", "tensor_parallel", "mesh", "tensor_parallel_cost",
-                   "tensor_parallel_gpt"},
+                   "tensor_parallel_gpt", "tensor_parallel_muon"},
     "zero": {"zero", "zero.*"},  # stands on ddp (make_buckets) and comm
     "train": {"train"},  # the training library, on every technique and ZeRO
     "top": {"flags", "flag_types", "train_gpt", "bench", "bench.*"},  # nothing imports these but themselves
@@ -145,14 +146,17 @@ SAME_FLOOR = {  # module: what it may import on its own floor
     "launch": {"dist"},
     "pool": {"launch"},
     "muon": {"newton_schulz"},
-    "checkpoint": {"checkpoint_io", "checkpoint_schema"},
+    "checkpoint": {"checkpoint_io", "checkpoint_schema", "checkpoint_slots"},
     "checkpoint_io": {"checkpoint_schema"},
     "resume": {"checkpoint"},
     "mesh": {"ddp"},
+    "pipeline": {"pipeline_measure"},
+    "pipeline_measure": {"cost_model"},
     "memory": {"cost_model", "scaler", "recompute"},
     "plan": {"cost_model", "memory", "recompute"},
     "tensor_parallel_gpt": {"tensor_parallel", "tensor_parallel_cost", "cost_model", "memory"},
     "tensor_parallel_cost": {"tensor_parallel", "cost_model"},
+    "tensor_parallel_muon": {"muon", "newton_schulz", "tensor_parallel"},
     "train_gpt": {"flags"},
     "flags": {"flag_types"},
     "bench": {"flags"},  # cpu_default reads AUTO, train_gpt's defaults

@@ -1,0 +1,232 @@
+"""What a rank holds of a checkpoint's tensors, and which rank writes each piece.
+Chapter 08 (chapters/08_at_scale.md), with chapter 10's tensor-parallel shards
+(chapters/10_tensor_parallel.md); minidist/checkpoint.py saves and loads what this lists.
+Exercised by `pytest tests/test_checkpoint.py tests/test_checkpoint_tp.py` and by
+
+    torchrun --standalone --nproc_per_node=4 minidist/train_gpt.py --tp 2 --zero-stage 1 --checkpoint-every 50
+    torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --tp 1 --resume auto   # the same run, resplit
+
+A checkpoint names a piece "elements [start, start + n) of the flattened full tensor KEY",
+whoever held it. What a rank holds of a tensor is a slot: a 1-D tensor here and its runs,
+(offset in the slot, start in the full tensor, n), the stretches where the slot's elements
+are consecutive in the full tensor too:
+
+    a replicated parameter, or ZeRO's piece [a, b) of one      one run
+    a tensor-parallel shard along dim 0 (rows [r0, r1))         one run: [r0 C, r1 C)
+      c_attn's q | k | v rows                                   three runs
+    a shard along dim 1 (columns [c0, c1) of an R x C matrix)    one run per row:
+                                                                 [i C + c0, i C + c1)
+    ZeRO's piece of a shard (in the shard's own flat order)    the shard's runs, cut to it
+
+So a tensor split by columns is saved as R row pieces on each rank: rows, never elements.
+A parameter marks itself as a shard with `p.tp_shard = (dim, ((start, stop), ...))`, the
+slice of the full tensor it holds (chapter 10's shard_param); the full size along `dim`
+is the largest stop on any rank, learned in one all-gather of these small specs, which
+also tells each rank its replicas: the ranks cut exactly like it (a dp x tp mesh: the dp
+ranks of its tp slice; every rank when nothing is cut).
+
+Who writes: of the ranks holding the same elements, exactly one, so the pieces cover each
+tensor once. A replicated parameter: one rank of the world; a shard: one of its replicas;
+both chosen largest first, each to the rank with the fewest bytes so far. Optimizer state
+follows its parameter: replicated (plain AdamW), the parameter's writer writes it; sharded
+over the replicas (ZeRO over dp, opt.state_pieces), each holder writes its pieces, of a
+replicated parameter only in the replicas its writer belongs to (the other tp slices' dp
+groups hold the same elements again, perhaps cut at other boundaries).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from minidist.dist import rank_and_world
+
+
+class Slot(NamedTuple):
+    """Elements of the flattened tensor `key` (full shape `shape`) live in `tensor` (1-D) on
+    this rank: tensor[o:o + n] are the key's [s, s + n) for each (o, s, n) in `runs`.
+    `write`: this rank is the one that saves them."""
+    key: str
+    shape: tuple
+    runs: tuple
+    tensor: torch.Tensor
+    write: bool = True
+
+
+def flat_runs(full_shape: tuple, spec) -> tuple:
+    """The runs (offset in the shard, start in the full tensor, n) of a shard that holds the
+    slice `spec` = (dim, ((start, stop), ...)) of a tensor of `full_shape` (None: all of
+    it), in the shard's own flattened order (torch.cat of the ranges along dim)."""
+    if spec is None:
+        return ((0, 0, math.prod(full_shape)),)
+    dim, ranges = spec
+    outer, size, inner = math.prod(full_shape[:dim]), full_shape[dim], math.prod(full_shape[dim + 1:])
+    runs, off = [], 0
+    for o in range(outer):
+        for a, b in ranges:
+            start, n = (o * size + a) * inner, (b - a) * inner
+            if runs and runs[-1][0] + runs[-1][2] == off and runs[-1][1] + runs[-1][2] == start:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)  # consecutive in both
+            elif n:
+                runs.append((off, start, n))
+            off += n
+    return tuple(runs)
+
+
+def cut_runs(runs: tuple, lo: int, hi: int) -> tuple:
+    """The runs of a slot's elements [lo, hi) alone, offsets counted from lo."""
+    out = []
+    for o, s, n in runs:
+        a, b = max(o, lo), min(o + n, hi)
+        if a < b:
+            out.append((a - lo, s + a - o, b - a))
+    return tuple(out)
+
+
+def writers(sizes: list, ranks: list, load: dict) -> list[int]:
+    """Which of `ranks` saves each tensor of sizes[i] bytes: largest first, each to the rank
+    with the fewest bytes so far (`load`, updated), so that the files come out about the
+    same size. Every rank that computes it from the same sizes gets the same answer."""
+    out = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        out[i] = min(ranks, key=lambda r: (load[r], r))
+        load[out[i]] += sizes[i]
+    return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Layout:
+    """This rank's part of a checkpoint of `model` and its optimizers: each parameter's
+    full shape and runs, who writes it and its state. A collective (one all-gather of the
+    shard specs) when the model holds tensor-parallel shards and the world has ranks."""
+
+    def __init__(self, model):
+        self.rank, world = rank_and_world()
+        self.names = {id(p): n for n, p in model.named_parameters()}  # a tied one: its first name
+        params = list({id(p): p for p in model.parameters()}.values())
+        mine = tuple(sorted((self.names[id(p)], (tuple(p.shape), _spec(p.tp_shard))) for p in params
+                            if getattr(p, "tp_shard", None) is not None))
+        everyone = [mine] * world
+        if mine and world > 1:
+            dist.all_gather_object(everyone, mine)
+        self.replicas = [r for r in range(world) if everyone[r] == mine]
+        cut_like = {sig: min(r for r in range(world) if everyone[r] == sig) for sig in set(everyone)}
+        self.cut_like = [cut_like[sig] for sig in everyone]  # rank -> the first rank cut like it
+        self.shape, self.runs = {}, {}
+        for name, (shape, spec) in mine:
+            full = _full_shape(name, shape, spec, [dict(sig).get(name, (None, None))[1] for sig in cut_like])
+            self.shape[name], self.runs[name] = full, flat_runs(full, spec)
+        for p in params:
+            n = self.names[id(p)]
+            if n not in self.shape:
+                self.shape[n], self.runs[n] = tuple(p.shape), flat_runs(tuple(p.shape), None)
+        # writers: the replicated parameters over the world, then the shards over the replicas
+        load = dict.fromkeys(range(world), 0)
+        whole = [p for p in params if getattr(p, "tp_shard", None) is None]
+        cut = [p for p in params if getattr(p, "tp_shard", None) is not None]
+        self.writer = dict(zip(map(id, whole), writers([_nbytes(p) for p in whole], range(world), load)))
+        self.writer.update(zip(map(id, cut), writers([_nbytes(p) for p in cut], self.replicas, load)))
+
+    def writes(self, p) -> bool:
+        """Whether this rank saves parameter p (and its state, when that is replicated too)."""
+        return self.writer[id(p)] == self.rank
+
+    def writes_pieces(self, p) -> bool:
+        """Whether this rank saves its pieces of p's state sharded over its replicas (ZeRO):
+        the pieces of a shard always; of a replicated parameter, in its writer's replicas."""
+        return self.cut_like[self.writer[id(p)]] == self.cut_like[self.rank]
+
+    def slots(self, model, optimizers) -> list[Slot]:
+        """The parameters and persistent buffers: a parameter that an optimizer holds only as
+        pieces (ZeRO-3: state_pieces()'s params) is saved piece by piece; any other one is
+        whole here (or this rank's tensor-parallel shard), and one of its holders writes it."""
+        persistent = set(model.state_dict())
+        buffers = [(n, b) for n, b in model.named_buffers() if n in persistent]
+        owners = writers([_nbytes(b) for _, b in buffers], range(len(self.cut_like)),
+                         dict.fromkeys(range(len(self.cut_like)), 0))
+        slots = [Slot(f"model/{n}", tuple(b.shape), flat_runs(tuple(b.shape), None), b.view(-1),
+                      w == self.rank) for (n, b), w in zip(buffers, owners)]
+        pieces = [piece for o in optimizers if hasattr(o, "state_pieces") for piece in o.state_pieces()[1]]
+        for p, start, t in pieces:
+            if t.numel():  # (an empty piece: sharded, but none of it on this rank)
+                n = self.names[id(p)]
+                slots.append(Slot(f"model/{n}", self.shape[n], cut_runs(self.runs[n], start, start + t.numel()),
+                                  t, self.writes_pieces(p)))
+        in_pieces = {id(p) for p, _, _ in pieces}
+        params = [p for p in {id(p): p for p in model.parameters()}.values() if id(p) not in in_pieces]
+        return slots + [Slot(f"model/{self.names[id(p)]}", self.shape[self.names[id(p)]],
+                             self.runs[self.names[id(p)]], p.detach().view(-1), self.writes(p))
+                        for p in params]
+
+    def holders(self, opt):
+        """(name, full shape, runs, holder, cut, write) for each range of a parameter's
+        elements whose optimizer state lives in `holder` (a key of opt.state) on this rank:
+        the state's elements `cut` = (a, b) of the holder (None: all of them), whose runs
+        (offsets from a) say where they sit in the full tensor. `write`: this rank saves it.
+
+        An optimizer that shards its state (ZeRO, Muon) says what this rank holds through
+        opt.state_pieces() -> (state, params), state being (param, start, holder, a, b): the
+        param's flattened elements [start, start + b - a) are the holder's [a, b). Any other
+        optimizer is replicated: every replica has all of it, and the writer of each
+        parameter writes its state."""
+        if hasattr(opt, "state_pieces"):
+            for p, start, holder, a, b in opt.state_pieces()[0]:
+                n = self.names[id(p)]
+                yield (n, self.shape[n], cut_runs(self.runs[n], start, start + b - a), holder, (a, b),
+                       self.writes_pieces(p))
+            return
+        for p in (p for g in opt.param_groups for p in g["params"]):
+            n = self.names[id(p)]
+            yield n, self.shape[n], self.runs[n], p, None, self.writes(p)
+
+
+def _spec(spec) -> tuple:
+    dim, ranges = spec
+    return int(dim), tuple((int(a), int(b)) for a, b in ranges)
+
+
+def _full_shape(name: str, shape: tuple, spec: tuple, specs: list) -> tuple:
+    """The full tensor's shape, from this shard's and every differently cut rank's `specs`,
+    whose ranges must tile the full size along dim exactly once."""
+    dim = spec[0]
+    ranges = sorted(r for s in specs if s is not None for r in s[1])
+    size = ranges[-1][1]
+    tiled = all(s is not None and s[0] == dim for s in specs) and ranges[0][0] == 0 and \
+        all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    if not tiled or sum(b - a for a, b in spec[1]) != shape[dim]:
+        raise ValueError(f"{name}: the tensor-parallel shards of the ranks do not tile one full tensor "
+                         f"(dim {dim}, ranges {ranges}): every rank must hold a slice of the same model")
+    return shape[:dim] + (size,) + shape[dim + 1:]
+
+
+class PieceIndex:
+    """A checkpoint's pieces of each key sorted by start, so that filling a range finds the
+    pieces it overlaps by bisection (a tensor saved by rows has thousands of pieces). The
+    Reader (minidist/checkpoint_io.py) has checked that they cover each key exactly once."""
+
+    def __init__(self, reader):
+        self.reader, self.sorted = reader, {}
+
+    def fill(self, dest: torch.Tensor, key: str, runs) -> None:
+        """dest[o:o + n] = elements [s, s + n) of `key`, for each run (o, s, n)."""
+        if key not in self.sorted:
+            ps = sorted(((s, t) for s, t in self.reader.pieces[key] if t.numel()), key=lambda st: st[0])
+            self.sorted[key] = ([s for s, _ in ps], ps)
+        starts, ps = self.sorted[key]
+        buf = dest if dest.device.type == "cpu" else torch.empty(dest.numel(), dtype=dest.dtype)
+        for o, s, n in runs:
+            i = bisect.bisect_right(starts, s) - 1
+            while n > 0:
+                first, t = ps[i]
+                m = min(n, first + t.numel() - s)
+                buf[o:o + m] = t[s - first:s - first + m]
+                o, s, n, i = o + m, s + m, n - m, i + 1
+        if buf is not dest:
+            dest.copy_(buf)  # one copy to the device, not one per row

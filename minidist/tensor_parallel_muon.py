@@ -1,0 +1,265 @@
+"""Muon on tensor-parallel matrices: why orthogonalising each shard alone is wrong, and two
+ways that are right. Chapter 10 (chapters/10_tensor_parallel.md), section "Muon on
+shards". Exercised by:
+
+    torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --tp 2    (CPU default: Muon)
+    pytest -q tests/test_tensor_parallel_muon.py
+
+The subtlety. Muon's update is the orthogonalised momentum, about U V^T for M = U S V^T
+(chapter 07). That is not elementwise: t shards each orthogonalised alone are t
+orthogonal matrices side by side, not the slices of the whole's U V^T. The update then
+points elsewhere and is about sqrt(t) times too large, and it changes with the tp degree
+while training still runs: a silent bug. `shardwise_error` measures it in one process;
+TensorParallelMuon(method="shardwise") is that bug, kept to be measured.
+
+(a) method="gather": each shard of the momentum (in Newton-Schulz's dtype: the same bits
+as casting the whole) is all-gathered over the tp group and put back in the full layout
+(c_attn's shard is this rank's q, k and v rows: the full matrix is q|k|v of all ranks),
+every tp rank orthogonalises the whole matrix, exactly as one process would, and keeps
+its slice. Every rank rather than one owner that scatters the slices back: one collective
+instead of two in a row, and no rank waits for another's Newton-Schulz; the cost is t
+copies of the same work. (An owner per matrix, matrices dealt over the tp ranks as
+chapter 07 deals them, would do 1/t of the work and send 2/t of the bytes per rank.)
+
+(b) method="shards": Newton-Schulz on the shards themselves. One step is
+X <- a X + (b A + c A^2) X with the Gram matrix A = X X^T. Cut X by columns,
+X = [X_1 ... X_t]: then A = sum_r X_r X_r^T is a sum of per-shard Grams (one all-reduce
+of a small k x k matrix, k = the uncut side), and the step acts on each block alone,
+X_r <- a X_r + B X_r: no communication. Cut by rows (a column-parallel weight [out, in]
+split on out), transpose: X^T is cut by columns, and A = X^T X = sum_r X_r^T X_r, the
+Gram on the columns' side. The Gram on the *cut* side would need every pair X_r X_s^T:
+an all-gather. Newton-Schulz also transposes a tall matrix to iterate on the short side;
+the uncut side is that short side exactly when the cut runs along the long side, and
+Megatron's layout always cuts there: c_attn [3C, C] and the MLP's c_fc [4C, C] along
+their 3C and 4C rows, mlp.c_proj [C, 4C] along its 4C columns, attention's c_proj is
+square. (Cut along its short side the result is still right, with the larger Gram.)
+The Frobenius norm that starts the iteration is one all-reduced number. The Grams are
+summed in fp32 and rounded to the Newton-Schulz dtype once, as the whole matrix's
+product rounds once; summed in bf16 each partial sum would round too, and the result
+would lie as far from one process's as bf16's from fp32's (about 1e-2, measured on random
+matrices of the CPU model's shapes, against 1e-3 or less). The iteration's rounding is
+then one process's up to the order of fp32 sums, which bf16 amplifies through the five
+steps: (b) equals one process to bf16 rounding, and in fp32 to fp32 rounding
+(tests/test_tensor_parallel_muon.py).
+
+Bytes per matrix and step on each rank (`comm_bytes`): (a) an all-gather of the whole
+matrix, m n elements in the Newton-Schulz dtype; (b) ns_steps all-reduces of k x k fp32
+plus one number. On a ring (a) sends (t-1)/t m n x 2 bytes, (b) 2 (t-1)/t (5 k^2 + 1) x 4:
+(b) / (a) = 20 k / (the long side): for Megatron's shapes (a) sends fewer bytes, 5x fewer
+for c_fc, 20x for the square c_proj, at every t. (b) wins on work (1/t of the big
+products per rank) and memory (no whole matrix), on bytes only for matrices more than 20
+times longer than wide; and it talks ns_steps + 1 times per stack of matrices, (a) once.
+
+Data parallelism: Muon's own group is the dp group (chapter 07's owners, one matrix per
+rank per round); the tp ranks of one replica own the same matrices (the shards have the
+same shapes), so the tp collectives above run among owners only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from minidist.muon import Muon, adjust_lr
+from minidist.newton_schulz import newton_schulz, newton_schulz_many, schedule
+from minidist.tensor_parallel import shard_of
+
+__all__ = ["shardwise_error", "ShardLayout", "newton_schulz_sharded", "TensorParallelMuon",
+           "tensor_parallel_group", "comm_bytes", "METHODS"]
+
+METHODS = ("gather", "shards", "shardwise")  # the last one is the bug, for measuring
+
+
+def _relative(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
+    x, ref = x.float().flatten(), ref.float().flatten()
+    return ((x - ref).norm() / ref.norm()).item(), F.cosine_similarity(x, ref, 0).item(), \
+        (x.norm() / ref.norm()).item()
+
+
+def shardwise_error(G: torch.Tensor, t: int, dim: int = 0, steps: int = 5,
+                    dtype: torch.dtype = torch.float32) -> dict:
+    """One process, no group: G cut in t equal shards along `dim` (0: a column-parallel
+    weight, 1: a row-parallel one), each orthogonalised alone and put side by side,
+    against G's own orthogonalisation: {"rel_diff", "cosine", "norm_ratio"}."""
+    whole = newton_schulz(G, steps, dtype)
+    alone = torch.cat([newton_schulz(s, steps, dtype) for s in G.chunk(t, dim)], dim)
+    rel, cos, ratio = _relative(alone, whole)
+    return {"rel_diff": rel, "cosine": cos, "norm_ratio": ratio}
+
+
+# ------------------------------------------------------------------ (a) gather the whole matrix
+
+class ShardLayout:
+    """Where every tp rank's shard of one matrix lies in the full matrix: the (dim, ranges)
+    of each rank (tensor_parallel_gpt.shard_spec's entries), checked to tile the matrix
+    with shards of one shape (all_gather needs that; Megatron's splits of heads and of the
+    hidden width are even)."""
+
+    def __init__(self, specs: list, shard_shape: tuple[int, int]):
+        self.dim, self.ranges = specs[0][0], [tuple(tuple(r) for r in s[1]) for s in specs]
+        spans = sorted(r for ranges in self.ranges for r in ranges)
+        size = spans[-1][1]
+        widths = {sum(b - a for a, b in ranges) for ranges in self.ranges}
+        if any(s[0] != self.dim for s in specs) or len(widths) != 1 or \
+                [a for a, _ in spans] != [0] + [b for _, b in spans[:-1]]:
+            raise ValueError(f"the shards of a {shard_shape} matrix do not tile it evenly along one "
+                             f"dimension ({specs}): tensor-parallel Muon needs equal shards")
+        self.shard_shape = tuple(shard_shape)
+        self.full_shape = tuple(size if d == self.dim else n for d, n in enumerate(shard_shape))
+
+    @property
+    def key(self) -> tuple:
+        """Equal for matrices cut alike (every block's c_fc, say): they travel together."""
+        return self.dim, tuple(self.ranges), self.shard_shape
+
+    def gather(self, X: torch.Tensor, group) -> torch.Tensor:
+        """This rank's shard X (or a stack of shards cut alike, leading dims) -> the full
+        matrix (matrices), every rank's pieces in their places: one all-gather."""
+        t, d = len(self.ranges), self.dim - 2  # d: the cut dimension, counted from the end
+        parts = X.new_empty(t * X.numel())
+        dist.all_gather_single(parts, X.contiguous().view(-1), group=group)
+        parts = parts.view(t, *X.shape)
+        full = X.new_empty(X.shape[:-2] + self.full_shape)
+        for r, ranges in enumerate(self.ranges):
+            offset = 0
+            for a, b in ranges:  # c_attn: this rank's q rows, then its k rows, then its v rows
+                full.narrow(d, a, b - a).copy_(parts[r].narrow(d, offset, b - a))
+                offset += b - a
+        return full
+
+    def mine(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        return shard_of(full, (self.dim - 2, self.ranges[rank]))
+
+
+# ------------------------------------------------------------------ (b) Newton-Schulz on the shards
+
+def newton_schulz_sharded(G: torch.Tensor, dim: int, group, steps: int = 5,
+                          dtype: torch.dtype = torch.bfloat16, eps: float = 1e-7,
+                          coefficients="jordan") -> torch.Tensor:
+    """This rank's slice of newton_schulz(the full matrix), from this rank's shard G (or a
+    batch of shards, leading dims, all cut alike) cut along `dim` (0 rows, 1 columns).
+    Per step one all-reduce of the small Gram matrix on the uncut side; the norm, one
+    more (of one number per matrix). Every rank of `group` calls it with its shards."""
+    coefs, margin = schedule(coefficients, steps)
+    X = G.to(dtype)
+    if dim % 2 == 0:  # cut by rows: X^T is cut by columns; its Gram X^T X is on the uncut side
+        X = X.mT
+    batch_shape = X.shape[:-2]
+    X = X.reshape(-1, *X.shape[-2:])  # (batch, k, n/t): each matrix cut along its columns
+    # ||X||_F^2 = sum over ranks of the shards' squares (fp32, as X.norm() accumulates)
+    sq = X.float().square().sum(dim=(-2, -1), keepdim=True)
+    dist.all_reduce(sq, group=group)
+    norm = sq.sqrt().to(dtype)
+    X = X / (norm if margin == 1.0 else norm * margin).clamp(min=eps)
+    for a, b, c in coefs:
+        A = torch.bmm(X.float(), X.float().mT)  # this shard's part of X X^T, k x k, fp32
+        dist.all_reduce(A, group=group)  # the whole Gram, rounded once to dtype below
+        A = A.to(dtype)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)  # b A + c A^2: the same on every rank
+        X = torch.baddbmm(X, B, X, beta=a)  # a X_r + B X_r: this rank's columns, no talking
+    X = X.reshape(*batch_shape, *X.shape[-2:])
+    return X.mT if dim % 2 == 0 else X
+
+
+# ------------------------------------------------------------------ the optimizer
+
+def tensor_parallel_group(model) -> object | None:
+    """The tp group of a model that tensor_parallel_gpt.parallelize split (its shards carry
+    `tp_shard`; ParallelGPT keeps the group as .group), None for a whole model."""
+    split = any(getattr(p, "tp_shard", None) is not None for p in model.parameters())
+    return getattr(model, "group", None) if split else None
+
+
+class TensorParallelMuon(Muon):
+    """minidist.muon.Muon for shards of tensor-parallel matrices (params carry `tp_shard`,
+    as tensor_parallel_gpt.parallelize makes them): TensorParallelMuon(params, tp_group,
+    method="gather" | "shards" | "shardwise", **Muon's arguments); `group` is the dp group
+    (Muon's owners). Momentum is elementwise, so each shard's is the slice of the whole's;
+    what changes is the orthogonalisation (the module docstring) and the learning rate's
+    shape adjustment, which uses the full matrix's shape. Building it is a collective
+    over the tp group (each rank learns where the others' shards lie)."""
+
+    def __init__(self, params, tp_group, method: str = "gather", **kwargs):
+        super().__init__(params, **kwargs)
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        self.tp_group, self.method = tp_group, method
+        self.tp_rank, self.tp = dist.get_rank(tp_group), dist.get_world_size(tp_group)
+        mats = [p for p, _ in self.matrices()]
+        specs = [getattr(p, "tp_shard", None) for p in mats]
+        everyone = [None] * self.tp
+        dist.all_gather_object(everyone, specs, group=tp_group)
+        # id(p) -> its layout; None: a replicated matrix, whole on every tp rank
+        self.layouts = {id(p): None if specs[i] is None else
+                        ShardLayout([everyone[r][i] for r in range(self.tp)], p.shape)
+                        for i, p in enumerate(mats)}
+
+    def full_shape(self, p: torch.Tensor) -> tuple[int, int]:
+        layout = self.layouts[id(p)]
+        return tuple(p.shape) if layout is None else layout.full_shape
+
+    def _apply(self, p: torch.Tensor, update: torch.Tensor, g: dict) -> None:
+        p.mul_(1 - g["lr"] * g["weight_decay"])  # as Muon's, with the whole matrix's shape
+        p.add_(update.view_as(p), alpha=-adjust_lr(g["lr"], self.full_shape(p), g["adjust_lr_fn"]))
+
+    def _updates(self, pairs: list) -> list[torch.Tensor]:
+        """This rank's slices of the updates of [(p, group)], the matrices this rank owns
+        (every tp rank of a replica owns the same ones, so the calls below pair up)."""
+        out: list = [None] * len(pairs)
+        for (steps, coefficients), ks in _by_settings(pairs).items():
+            momenta = [self._momentum(*pairs[k]).to(self.ns_dtype) for k in ks]
+            layouts = [self.layouts[id(pairs[k][0])] for k in ks]
+            for k, O in zip(ks, self._orthogonalise(momenta, layouts, steps, coefficients)):
+                out[k] = O
+        return out
+
+    def _orthogonalise(self, momenta, layouts, steps, coefficients) -> list[torch.Tensor]:
+        ns = dict(steps=steps, dtype=self.ns_dtype, coefficients=coefficients)
+        if self.method == "shardwise" or self.tp == 1:  # (the bug at tp > 1: each shard alone)
+            return newton_schulz_many(momenta, **ns)
+        alike: dict = {}  # shards cut alike (every block's c_fc, say) travel as one stack
+        for i, L in enumerate(layouts):
+            alike.setdefault(None if L is None else L.key, []).append(i)
+        out = list(momenta)
+        for key, idx in alike.items():
+            if key is None:  # replicated: whole on every rank, orthogonalised as one process would
+                for i, O in zip(idx, newton_schulz_many([momenta[i] for i in idx], **ns)):
+                    out[i] = O
+                continue
+            stack, L = torch.stack([momenta[i] for i in idx]), layouts[idx[0]]
+            if self.method == "gather":  # (a): the whole matrices (one all-gather), then mine
+                whole = L.gather(stack, self.tp_group).unbind(0)
+                result = [L.mine(O, self.tp_rank) for O in newton_schulz_many(list(whole), **ns)]
+            else:  # (b): one chain, one all-reduce per Newton-Schulz step, for the stack
+                result = newton_schulz_sharded(stack, L.dim, self.tp_group, **ns).unbind(0)
+            for i, O in zip(idx, result):
+                out[i] = O
+        return out
+
+
+def _by_settings(pairs: list) -> dict:
+    """{(ns_steps, coefficients): [indices of pairs]}: matrices that share Newton-Schulz settings."""
+    same: dict = {}
+    for k, (_, g) in enumerate(pairs):
+        c = g["ns_coefficients"]
+        same.setdefault((g["ns_steps"], c if isinstance(c, str) else tuple(c)), []).append(k)
+    return same
+
+
+# ------------------------------------------------------------------ bytes
+
+def comm_bytes(full_shapes, t: int, method: str, ns_steps: int = 5,
+               ns_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Bytes one step of TensorParallelMuon hands to the tp group's collectives on each rank
+    (all-gather: its output; all-reduce: the tensor) for matrices of `full_shapes`, and
+    "sent", what a ring puts on the wire from each rank: all-gather (t-1)/t of its output,
+    all-reduce 2 (t-1)/t of its tensor. (a): m n elements in ns_dtype per matrix; (b):
+    (ns_steps k^2 + 1) fp32 per matrix, k = min(m, n), the uncut side in Megatron's layout."""
+    out = {"all_gather": 0, "all_reduce": 0}
+    if t > 1 and method == "gather":
+        out["all_gather"] = sum(m * n for m, n in full_shapes) * ns_dtype.itemsize
+    elif t > 1 and method == "shards":
+        out["all_reduce"] = sum(ns_steps * min(m, n) ** 2 + 1 for m, n in full_shapes) * 4
+    out["sent"] = (t - 1) / t * (out["all_gather"] + 2 * out["all_reduce"])
+    return out
