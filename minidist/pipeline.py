@@ -1,0 +1,337 @@
+"""Pipeline parallelism: the GPT cut by layers into stages, one per rank of the pipeline
+group, each passing its activations forward and their gradients back to its neighbours
+by point-to-point messages; and the two schedules that order the micro-batches, GPipe
+(all forwards, then all backwards) and 1F1B (one forward, one backward).
+
+Chapter 11 (chapters/11_pipeline.md). Exercised by `pytest tests/test_pipeline.py`, which
+checks both schedules against one process's gradient accumulation at pp 2, 3 and 4.
+
+Read it top to bottom:
+- `split_layers`, `describe_cut`: which contiguous blocks each stage holds;
+- `Stage`: this rank's part of the GPT, weights copied from the full model and named as
+  the full model names them; the tied embedding/head matrix lives on the first and the
+  last stage, and `allreduce_tied_grads` sums its two halves of the gradient;
+- `exchange`: the one way messages move, posted together and waited together;
+- `gpipe`, `one_f_one_b`: the schedules, written with a `_Run`'s forward, backward, talk;
+- `pipeline_step`: one step's gradients on every stage, and the loss, returned everywhere.
+
+Why nothing deadlocks. A send may not finish before the receiver posts its receive
+(gloo's does not; NCCL's kernels neither), so on each link between neighbouring stages
+both sides post the same messages in the same order. GPipe keeps that by construction:
+all activations go down, then all gradients come up, in micro-batch order. 1F1B's steady
+state does not: a stage sends activation i down and next needs gradient j from below,
+while the stage below sends gradient j up and next needs activation i. Posted one at a
+time, each send would wait for a receive that the other side posts only after its own
+send finishes. So the send and the receive that cross on one link go as one batch
+(`dist.batch_isend_irecv`, as Megatron's send_forward_recv_backward does), and the two
+stages pair them identically. The activation shape (micro-batch, T, n_embd) is known on
+every stage from the micro-batches it is handed, so no message agrees it: receive buffers
+are allocated at that shape, one per micro-batch (its backward needs it kept).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minidist.model import GPT
+from minidist.pipeline_measure import Event, StepRecord
+
+
+def split_layers(n_layer: int, pp: int) -> list[range]:
+    """The blocks of each of `pp` stages: contiguous, as equal as they divide, the extra
+    ones on the first stages (the last stage also runs the head, the first only a lookup)."""
+    if not 1 <= pp <= n_layer:
+        raise ValueError(f"--pp {pp} needs 1 to n_layer={n_layer} stages (each stage holds at least "
+                         f"one block): use --pp <= {n_layer}, or a deeper model")
+    base, extra = divmod(n_layer, pp)
+    sizes = [base + (s < extra) for s in range(pp)]
+    starts = [sum(sizes[:s]) for s in range(pp)]
+    return [range(a, a + n) for a, n in zip(starts, sizes)]
+
+
+def describe_cut(n_layer: int, pp: int) -> str:
+    """The cut, for the log: "stage 0: embeddings + blocks 0-1 | stage 1: blocks 2-3 + ln_f + head"."""
+    parts = []
+    for s, r in enumerate(split_layers(n_layer, pp)):
+        blocks = f"block {r[0]}" if len(r) == 1 else f"blocks {r[0]}-{r[-1]}"
+        parts.append(f"stage {s}: " + " + ".join((["embeddings"] if s == 0 else []) + [blocks]
+                                                 + (["ln_f + head"] if s == pp - 1 else [])))
+    return " | ".join(parts)
+
+
+class Stage(nn.Module):
+    """This rank's stage of `model` (a minidist.model.GPT, the same on every stage): its
+    blocks, plus the embeddings on the first stage and the final norm and head on the last.
+    Weights are copied, and named as in the full model ("blocks.5.attn.c_attn.weight"), so
+    a stage's state_dict is a slice of the full one. `pp_group`: the ranks of this pipeline,
+    in stage order (a mesh's pp_group; None: the whole world).
+
+    forward(x, targets) takes token indices on the first stage, the previous stage's
+    activation elsewhere; it returns the activation to send on, and on the last stage the
+    loss summed over the targets (-1 masked), as GPT.forward(x, y, reduction="sum")."""
+
+    def __init__(self, model: GPT, pp_group=None):
+        super().__init__()
+        self.group = pp_group
+        self.stage, self.stages = dist.get_rank(pp_group), dist.get_world_size(pp_group)
+        ranks = dist.get_process_group_ranks(dist.group.WORLD if pp_group is None else pp_group)
+        self.config = cfg = model.config
+        self.layers = split_layers(cfg.n_layer, self.stages)[self.stage]
+        self.is_first, self.is_last = self.stage == 0, self.stage == self.stages - 1
+        # neighbours as global ranks (what P2POp takes); None at the ends of the pipe
+        self.prev = None if self.is_first else ranks[self.stage - 1]
+        self.next = None if self.is_last else ranks[self.stage + 1]
+        if self.is_first or self.is_last:
+            self.wte = copy.deepcopy(model.wte)  # the tied matrix: the lookup and the head
+        if self.is_first:
+            self.wpe, self.drop = copy.deepcopy(model.wpe), copy.deepcopy(model.drop)
+        self.blocks = nn.ModuleDict({str(i): copy.deepcopy(model.blocks[i]) for i in self.layers})
+        if self.is_last:
+            self.ln_f = copy.deepcopy(model.ln_f)
+            self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False, device="meta")
+            self.lm_head.weight = self.wte.weight  # tied again, as in the full model
+        # The first and the last stage each hold a copy of the tied matrix and each gets
+        # one part of its gradient (the lookup's, the head's); allreduce_tied_grads sums
+        # them. `tied_peer`: the other end of the pipe, on those two stages only.
+        self.tied_peer = None
+        if self.stages > 1 and (self.is_first or self.is_last):
+            self.tied_peer = ranks[-1] if self.is_first else ranks[0]
+        self._check_same_model()
+
+    @torch.no_grad()
+    def _check_same_model(self) -> None:
+        # Every stage must have been cut from the same shape of model, or activations of
+        # the wrong width would cross the links. One all-reduce of (v, -v) under MAX gives
+        # the largest and the smallest of each number at once (and, under NCCL, sets up
+        # the pipe's communicator before any point-to-point message).
+        c = self.config
+        v = torch.tensor([c.n_layer, c.n_embd, c.vocab_size, c.block_size], dtype=torch.float64,
+                         device=self.blocks[str(self.layers[0])].ln_1.weight.device)
+        both = torch.cat([v, -v])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        if not (torch.equal(both[:4], v) and torch.equal(-both[4:], v)):
+            raise ValueError("pipeline stages were cut from different model configs: build every "
+                             "stage from the same GPTConfig")
+
+    def describe(self) -> str:
+        return describe_cut(self.config.n_layer, self.stages)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if self.is_first:  # x: token indices (B, T)
+            if x.size(1) > self.config.block_size:
+                raise ValueError(f"sequence length {x.size(1)} exceeds block_size {self.config.block_size}")
+            pos = torch.arange(x.size(1), device=x.device)
+            x = self.drop(self.wte(x) + self.wpe(pos))
+        for block in self.blocks.values():
+            x = block(x)
+        if not self.is_last:
+            return x
+        logits = self.lm_head(self.ln_f(x))  # the same operations as GPT.forward
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
+                               ignore_index=-1, reduction="sum")
+
+    @torch.no_grad()
+    def allreduce_tied_grads(self) -> None:
+        """Sum the tied matrix's gradient over the first and the last stage (after the last
+        backward, before the step): each then holds the full model's gradient of wte.
+
+        Megatron all-reduces it over a process group of those two ranks. An all-reduce of
+        two ranks is one swap, and a swap needs no group of its own (making one is a
+        collective of the whole world, awkward from inside a stage): each end sends its
+        part and adds the other's. a + b == b + a in floating point, so both ends hold the
+        same bits, as an all-reduce would leave them."""
+        if self.tied_peer is None:
+            return
+        grad = self.wte.weight.grad
+        if grad is None:
+            grad = self.wte.weight.grad = torch.zeros_like(self.wte.weight)
+        theirs = torch.empty_like(grad)
+        exchange(self.group, [(grad, self.tied_peer)], [(theirs, self.tied_peer)])
+        grad.add_(theirs)
+
+
+def exchange(group, sends=(), recvs=()) -> None:
+    """Post every send (tensor, peer) and every receive (buffer, peer) as one batch, then
+    wait for all of them. Peers are global ranks."""
+    ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+class _Run:
+    """One step on one stage: its micro-batches, what each forward keeps for its backward
+    (the received input, the output, the gradient that comes back), and, when `record`
+    is given, the timeline and the bytes saved for backward (minidist.pipeline_measure)."""
+
+    def __init__(self, stage: Stage, micro_batches, scale: float, record: StepRecord | None):
+        self.s, self.mbs, self.scale, self.record = stage, micro_batches, scale, record
+        b, T = micro_batches[0][0].shape
+        p = next(stage.parameters())
+        self.shape, self.dtype, self.device = (b, T, stage.config.n_embd), p.dtype, p.device
+        self.inputs, self.outputs, self.grads = {}, {}, {}  # by micro-batch
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=p.device)
+        self.live = 0  # bytes saved for backward by micro-batches not yet backwarded
+        if record is not None:
+            record.stage, record.stages = stage.stage, stage.stages
+            dist.barrier(group=stage.group)  # every stage's clock starts at the same moment
+        self.t0 = time.perf_counter()
+
+    def _event(self, kind, mb, start):
+        if self.record is not None:
+            self.record.events.append(Event(kind, mb, start - self.t0, time.perf_counter() - self.t0))
+
+    def talk(self, send_act=None, recv_act=None, send_grad=None, recv_grad=None) -> None:
+        """One batch of messages, each named by its micro-batch: this stage's output sent
+        down, the previous stage's output received, the gradient of this stage's input sent
+        up, the gradient of its output received. Those the ends of the pipe lack are dropped."""
+        s, sends, recvs, mb = self.s, [], [], []  # mb: the micro-batches these carry
+        if send_act is not None and s.next is not None:
+            sends.append((self.outputs[send_act].detach(), s.next))
+            mb.append(send_act)
+        if send_grad is not None and s.prev is not None:
+            sends.append((self.inputs.pop(send_grad).grad, s.prev))
+            mb.append(send_grad)
+        if recv_act is not None and s.prev is not None:
+            self.inputs[recv_act] = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            recvs.append((self.inputs[recv_act], s.prev))
+            mb.append(recv_act)
+        if recv_grad is not None and s.next is not None:
+            self.grads[recv_grad] = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            recvs.append((self.grads[recv_grad], s.next))
+            mb.append(recv_grad)
+        if not mb:
+            return
+        start = time.perf_counter()
+        exchange(s.group, sends, recvs)
+        kind = "send+recv" if sends and recvs else ("send" if sends else "recv")
+        self._event(kind, mb[-1], start)  # the one received, if any: what the wait was for
+        if recv_act is not None and s.prev is not None:
+            self.inputs[recv_act].requires_grad_()  # a leaf: backward leaves its gradient here
+
+    def forward(self, i: int) -> None:
+        x, y = self.mbs[i]
+        inp = x if self.s.is_first else self.inputs[i]
+        counted, hooks = self._counting()
+        start = time.perf_counter()
+        with hooks:
+            out = self.s(inp, y if self.s.is_last else None)
+            if self.s.is_last:  # token-normalised, as minidist.train.forward_backward
+                self.loss_sum += out.detach().double()
+                out = out.float() * self.scale
+        self._event("F", i, start)
+        self.outputs[i] = out
+        if self.record is not None:
+            self.record.saved_bytes.append(counted[0])
+            self.live += counted[0]
+            self.record.peak_saved = max(self.record.peak_saved, self.live)
+            self.record.peak_in_flight = max(self.record.peak_in_flight, len(self.outputs))
+
+    def backward(self, j: int) -> None:
+        out = self.outputs.pop(j)
+        start = time.perf_counter()
+        if self.s.is_last:
+            out.backward()
+        else:
+            torch.autograd.backward(out, self.grads.pop(j))
+        self._event("B", j, start)
+        if self.record is not None:  # backward freed what micro-batch j saved
+            self.live -= self.record.saved_bytes[j]
+
+    def _counting(self):
+        """Chapter 09's count of saved-tensor bytes for one forward: every storage autograd
+        saves, once, leaving out the parameters (model states, not activations)."""
+        if self.record is None:
+            return [0], nullcontext()
+        params = {p.untyped_storage().data_ptr() for p in self.s.parameters()}
+        seen, counted = set(), [0]
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in params and st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                counted[0] += st.nbytes()
+            return t
+        return counted, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
+# ------------------------------------------------------------------ the schedules
+
+def gpipe(run: _Run, m: int) -> None:
+    """GPipe: every micro-batch forward, then every one backward. Simple, and it holds the
+    activations of all m micro-batches at once."""
+    for i in range(m):
+        run.talk(recv_act=i)
+        run.forward(i)
+        run.talk(send_act=i)
+    for i in range(m):
+        run.talk(recv_grad=i)
+        run.backward(i)
+        run.talk(send_grad=i)
+
+
+def one_f_one_b(run: _Run, m: int) -> None:
+    """1F1B: enough forwards to fill the pipe below this stage (p - stage - 1, the
+    warm-up), then one forward and one backward in turn (the steady state), then the
+    backwards left (the cool-down). The same bubble as GPipe, but a stage holds at most
+    p - stage micro-batches' activations instead of m."""
+    warmup = min(run.s.stages - run.s.stage - 1, m)
+    for i in range(warmup):
+        run.talk(recv_act=i)
+        run.forward(i)
+        run.talk(send_act=i)
+    if warmup < m:
+        run.talk(recv_act=warmup)
+    for j in range(m - warmup):  # forward i, then backward j, the oldest in flight
+        i = warmup + j
+        run.forward(i)
+        run.talk(send_act=i, recv_grad=j)  # the pair that crosses on the link below
+        run.backward(j)
+        run.talk(send_grad=j, recv_act=i + 1 if i + 1 < m else None)  # and on the link above
+    for j in range(m - warmup, m):
+        run.talk(recv_grad=j)
+        run.backward(j)
+        run.talk(send_grad=j)
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def pipeline_step(stage: Stage, micro_batches, schedule: str = "1f1b", dp_group=None,
+                  record: StepRecord | None = None) -> float:
+    """Forward and backward of every micro-batch (x, y) through the pipeline; when it
+    returns, this stage's gradients are those of one process's gradient accumulation over
+    the same micro-batches (the tied matrix's summed over first and last stage), and the
+    return value, on every stage, is the mean loss per target token.
+
+    Every stage is handed the same micro-batches (the first reads x, the last y, all their
+    shape). The loss is normalised as minidist.train.forward_backward does: summed over
+    tokens, divided by the target count of the global batch, times the data-parallel size
+    (`dp_group`: the replicas whose batches make up the global batch, which will average
+    these gradients; None: this pipeline's micro-batches are the whole batch)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
+    device = next(stage.parameters()).device
+    count = sum((y != -1).sum() for _, y in micro_batches).to(device, torch.float64).reshape(1)
+    dp = 1 if dp_group is None else dist.get_world_size(dp_group)
+    if dp_group is not None:
+        dist.all_reduce(count, group=dp_group)
+    if count.item() == 0:
+        raise ValueError("every target in this global batch is masked (-1): nothing to learn from")
+    run = _Run(stage, micro_batches, dp / count.item(), record)
+    SCHEDULES[schedule](run, len(micro_batches))
+    stage.allreduce_tied_grads()
+    # Only the last stage computed the loss; the others add zero, so the sum is exact.
+    total = run.loss_sum.reshape(1)
+    dist.all_reduce(total, group=stage.group)
+    if dp_group is not None:
+        dist.all_reduce(total, group=dp_group)
+    return (total / count).item()

@@ -1,0 +1,143 @@
+"""What a pipeline step is measured with: its timeline, its bubble and its in-flight
+activations, each beside the formula it is checked against.
+
+Chapter 11 (chapters/11_pipeline.md). minidist/pipeline.py fills a `StepRecord` while a
+step runs (`pipeline_step(..., record=StepRecord())`); the functions here read it.
+Exercised by `pytest tests/test_pipeline.py`.
+
+The two formulas of the chapter, for p stages and m micro-batches, when every stage
+takes the same time per micro-batch and messages cost nothing:
+
+    bubble = (p - 1) / (m + p - 1)   of the step's time, on every stage, in both GPipe and
+                                     1F1B: the first stage's last backward cannot start
+                                     before the forward and backward of p - 1 later stages
+    in flight: GPipe m micro-batches' activations on every stage (all forwards first);
+               1F1B min(p - stage, m) on stage `stage` (p on the first: a stage starts a
+               backward as soon as its first forward has come back from the last stage)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minidist.cost_model import block_activation_bytes
+from minidist.model import GPTConfig
+
+COMPUTE = ("F", "B")  # the kinds of event that are work; the rest is waiting or talking
+
+
+@dataclass
+class Event:
+    """One thing a stage did: `kind` "F" or "B" (forward or backward of micro-batch `mb`),
+    "send", "recv" or "send+recv" (one batch of messages, `mb` the micro-batch they
+    carry), or "idle"; start and end in seconds since the barrier that began the step."""
+    kind: str
+    mb: int | None
+    start: float
+    end: float
+
+
+@dataclass
+class StepRecord:
+    """What one stage saw during one step (filled by minidist.pipeline.pipeline_step)."""
+    stage: int = 0
+    stages: int = 1
+    events: list = field(default_factory=list)       # Event, in the order they happened
+    saved_bytes: list = field(default_factory=list)  # per micro-batch: bytes saved for backward
+    peak_saved: int = 0                              # most of them held at one moment
+    peak_in_flight: int = 0                          # most micro-batches between F and B
+
+    def order(self) -> list[tuple[str, int]]:
+        """The schedule as run: [("F", 0), ("F", 1), ("B", 0), ...]."""
+        return [(e.kind, e.mb) for e in self.events if e.kind in COMPUTE]
+
+
+# ------------------------------------------------------------------ the formulas
+
+def bubble_formula(p: int, m: int) -> float:
+    """The idle share of a step, (p - 1) / (m + p - 1): with equal stages, each one works
+    m units of the m + p - 1 that the step lasts (p - 1 fill the pipe and drain it)."""
+    return (p - 1) / (m + p - 1)
+
+
+def in_flight_formula(schedule: str, p: int, stage: int, m: int) -> int:
+    """Micro-batches whose activations stage `stage` holds at once, at most."""
+    return m if schedule == "gpipe" else min(p - stage, m)
+
+
+def stage_activation_bytes(cfg: GPTConfig, B: int, T: int, n_blocks: int, first: bool,
+                           last: bool) -> int:
+    """Bytes one micro-batch of B x T tokens leaves saved for backward on a stage of
+    `n_blocks` blocks, fp32 (chapter 09's count, split at the cut): the blocks, plus on the
+    first stage the token and position indices (int64) the embeddings keep, and on the last
+    the final LayerNorm's input, statistics and output, the targets, the log-softmax and
+    the loss's fp32 total weight (chapter 09's head_activation_bytes, which leaves out that
+    one scalar, less the indices, which stay on the first). Exact, to the byte."""
+    d, V = cfg.n_embd, cfg.vocab_size
+    total = n_blocks * block_activation_bytes(B, T, d, cfg.n_head)
+    if first:
+        total += 8 * B * T + 8 * T                          # idx, positions
+    if last:
+        total += B * T * (8 + 4 * d + 8 + 4 * d + 4 * V)    # targets, ln_f in/stats/out, log-softmax
+        total += 4                                          # nll_loss's total weight
+    return total
+
+
+# ------------------------------------------------------------------ the measurements
+
+def with_idle(records: list[StepRecord]) -> list[list[Event]]:
+    """Every stage's events with its gaps filled by "idle" events, from the barrier to the
+    moment the last stage finished (so every stage's timeline spans the same step)."""
+    end = max((e.end for r in records for e in r.events), default=0.0)
+    out = []
+    for r in records:
+        events, t = [], 0.0
+        for e in sorted(r.events, key=lambda e: e.start):
+            if e.start > t:
+                events.append(Event("idle", None, t, e.start))
+            events.append(e)
+            t = max(t, e.end)
+        if end > t:
+            events.append(Event("idle", None, t, end))
+        out.append(events)
+    return out
+
+
+def bubble_fraction(records: list[StepRecord]) -> float:
+    """The measured bubble of one step, all stages' records together: the share of the
+    step's time (barrier to last event, times p stages) in which a stage did no forward
+    or backward. Waiting for a message, sending one and Python's own overhead all count
+    as bubble; with compute large enough, this approaches bubble_formula(p, m)."""
+    span = max((e.end for r in records for e in r.events), default=0.0)
+    if span <= 0:
+        return 0.0
+    busy = sum(e.end - e.start for r in records for e in r.events if e.kind in COMPUTE)
+    return 1.0 - busy / (len(records) * span)
+
+
+def in_flight(order: list[tuple[str, int]]) -> int:
+    """The most micro-batches between their forward and their backward, from a stage's
+    recorded order."""
+    now = most = 0
+    for kind, _ in order:
+        now += 1 if kind == "F" else -1
+        most = max(most, now)
+    return most
+
+
+def draw(records: list[StepRecord], width: int = 72) -> str:
+    """The timelines as text, one line per stage, time running left to right: micro-batch
+    i's forward drawn as the digit i, its backward as the i-th letter (a, b, ...; both
+    mod 10), "." where the stage waited or talked."""
+    span = max((e.end for r in records for e in r.events), default=0.0) or 1.0
+    lines = []
+    for r in records:
+        row = ["."] * width
+        for e in r.events:
+            if e.kind in COMPUTE:
+                a, b = int(e.start / span * width), max(int(e.end / span * width), int(e.start / span * width) + 1)
+                mark = str(e.mb % 10) if e.kind == "F" else "abcdefghij"[e.mb % 10]
+                for i in range(a, min(b, width)):
+                    row[i] = mark
+        lines.append(f"stage {r.stage}: " + "".join(row))
+    return "\n".join(lines)
