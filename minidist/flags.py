@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from minidist import data, faults, metrics
+from minidist.flag_checks import check_pipeline, check_tensor_parallel, config_argv
 from minidist.flag_types import (below_one, int_or_auto, mib, nonneg_float, nonneg_int, or_auto,
                                  positive_float, positive_int, seed_int, up_to_one)
 from minidist.dist import default_timeout_s, env_device, env_world_size, in_use_message, lock_holder
@@ -83,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--tp", type=positive_int, default=1,
       help="tensor parallelism (chapter 10): every layer split over this many ranks; the world "
            "is dp x tp, data parallelism (and ZeRO 1-2) over the dp ranks")
+    a("--pp", type=positive_int, default=1,
+      help="pipeline parallelism (chapter 11): the blocks cut into this many stages, one per rank; "
+           "the world is dp x pp, --grad-accum-steps micro-batches flow through the stages")
+    a("--pp-schedule", default="1f1b", choices=["gpipe", "1f1b"],
+      help="with --pp: all forwards then all backwards (gpipe), or one forward one backward (1f1b)")
     a("--sequence-parallel", action="store_true",
       help="with --tp: layer norms, dropout and the residual stream split over the sequence too")
     a("--grad-accum-steps", type=or_auto(positive_int), default=1,
@@ -110,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--resume", help="'auto': continue from the newest checkpoint in OUT_DIR/checkpoints if "
       "there is one (for torchrun --max-restarts); or a checkpoint folder, saved on any number "
       "of ranks at any --zero-stage and --tp (into an --out-dir without another run's checkpoints)")
+    a("--config", help="a TOML file whose keys are these flags (dashes or underscores), e.g. a "
+      "file in recipes/; flags on the command line override it")
     a("--debug-collectives", action="store_true",
       help="check every collective against every rank's; name the first that differs (slow)")
     return p
@@ -122,7 +130,7 @@ MAY_CHANGE_ON_RESUME = {"device", "dp", "bucket_cap_mb", "zero_stage", "grad_acc
                         "final_eval_windows", "sample_tokens", "out_dir", "checkpoint_every",
                         "keep_checkpoints", "resume", "debug_collectives",
                         "activation_checkpointing", "memory_budget_gb", "plan",
-                        "tp", "sequence_parallel"}  # checkpoints hold full tensors' ranges
+                        "tp", "sequence_parallel", "pp", "pp_schedule", "config"}  # checkpoints hold full tensors' ranges
 
 
 def resolve_args(args, world_size: int) -> argparse.Namespace:
@@ -155,6 +163,7 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
     if args.warmup_steps >= args.steps:  # (each number's own range: its type, build_parser)
         p.error(f"--warmup-steps must be in [0, --steps), got {args.warmup_steps} with --steps {args.steps}")
     args.plan = None  # chapter 09: the planner fills in what is "auto"
+    check_pipeline(p, args, world_size)  # chapter 11 (before the planner: it plans no pipeline)
     if "auto" in (args.zero_stage, args.grad_accum_steps, args.activation_checkpointing):
         try:
             vocab = data.get_tokenizer(args.tokenizer).n_vocab
@@ -164,8 +173,8 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
             args.plan = resolve_auto(args, world_size, vocab)
         except PlanError as e:
             p.error(f"the planner: {e}")
-    _check_tensor_parallel(p, args, world_size)
-    dp = world_size // args.tp  # the tp ranks of a replica share its batch
+    check_tensor_parallel(p, args, world_size)
+    dp = world_size // (args.tp * args.pp)  # the tp ranks and the stages of a replica share its batch
     parts = dp * args.grad_accum_steps
     if args.batch_size % parts:
         p.error(f"--batch-size {args.batch_size} does not divide across {dp} data-parallel ranks x "
@@ -213,31 +222,6 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
     return args
 
 
-def _check_tensor_parallel(p, args, world_size: int) -> None:
-    """--tp and --sequence-parallel against the world, the model and what is built."""
-    tp, what = args.tp, f"--tp {args.tp}"
-    if args.sequence_parallel and tp == 1:
-        p.error("--sequence-parallel splits over the tensor-parallel ranks: add --tp 2 or more")
-    if tp == 1:
-        return
-    if world_size % tp:
-        p.error(f"{what} does not divide the world of {world_size} ranks: start a multiple of {tp} "
-                "ranks (world = dp x tp), or change --tp")
-    if args.n_head % tp:
-        p.error(f"{what}: attention is split by heads, and --n-head {args.n_head} is not divisible "
-                f"by {tp}: use a --tp that divides it")
-    if args.sequence_parallel and args.seq_len % tp:
-        p.error(f"{what} --sequence-parallel: --seq-len {args.seq_len} is not divisible by {tp}: "
-                f"use a multiple of {tp}")
-    not_built = [(args.zero_stage in (3, "auto"), "--zero-stage 3 or auto", "--zero-stage 0, 1 or 2"),
-                 ("auto" in (args.grad_accum_steps, args.activation_checkpointing),
-                  "the planner's auto flags", "numbers for --grad-accum-steps and none/blocks"),
-                 ]  # (checkpoints are built: saved by full name and range, they resume at any --tp)
-    for refused, name, use in not_built:
-        if refused:
-            p.error(f"{what} with {name} is not built yet: use {use}")
-
-
 # ---- the environment: what minidist reads from it, checked like a flag ------------------
 
 def _env_folder(name: str) -> None:
@@ -264,6 +248,16 @@ def check_environment(p) -> None:
             check()
         except ValueError as e:
             p.error(str(e))
+
+
+def parse_args(argv) -> argparse.Namespace:
+    """The command line, after the --config file's flags (so the command line overrides
+    them); a bad key or value in the file exits 2 naming it."""
+    p = build_parser()
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    return p.parse_args(config_argv(p, known.config) + list(argv))
 
 
 def world_size_from_env() -> int:

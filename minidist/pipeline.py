@@ -172,8 +172,8 @@ class _Run:
     (the received input, the output, the gradient that comes back), and, when `record`
     is given, the timeline and the bytes saved for backward (minidist.pipeline_measure)."""
 
-    def __init__(self, stage: Stage, micro_batches, scale: float, record: StepRecord | None):
-        self.s, self.mbs, self.scale, self.record = stage, micro_batches, scale, record
+    def __init__(self, stage: Stage, micro_batches, scale: float, record: StepRecord | None, amp=nullcontext):
+        self.s, self.mbs, self.scale, self.record, self.amp = stage, micro_batches, scale, record, amp
         b, T = micro_batches[0][0].shape
         p = next(stage.parameters())
         self.shape, self.dtype, self.device = (b, T, stage.config.n_embd), p.dtype, p.device
@@ -222,7 +222,7 @@ class _Run:
         inp = x if self.s.is_first else self.inputs[i]
         counted, hooks = self._counting()
         start = time.perf_counter()
-        with hooks:
+        with hooks, self.amp():  # amp: the forward's autocast (train_gpt's --precision)
             out = self.s(inp, y if self.s.is_last else None)
             if self.s.is_last:  # token-normalised, as minidist.train.forward_backward
                 self.loss_sum += out.detach().double()
@@ -306,7 +306,7 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 
 def pipeline_step(stage: Stage, micro_batches, schedule: str = "1f1b", dp_group=None,
-                  record: StepRecord | None = None) -> float:
+                  record: StepRecord | None = None, loss_scale: float = 1.0, amp=nullcontext) -> float:
     """Forward and backward of every micro-batch (x, y) through the pipeline; when it
     returns, this stage's gradients are those of one process's gradient accumulation over
     the same micro-batches (the tied matrix's summed over first and last stage), and the
@@ -316,7 +316,8 @@ def pipeline_step(stage: Stage, micro_batches, schedule: str = "1f1b", dp_group=
     shape). The loss is normalised as minidist.train.forward_backward does: summed over
     tokens, divided by the target count of the global batch, times the data-parallel size
     (`dp_group`: the replicas whose batches make up the global batch, which will average
-    these gradients; None: this pipeline's micro-batches are the whole batch)."""
+    these gradients; None: this pipeline's micro-batches are the whole batch). `loss_scale`:
+    fp16's loss scale, multiplied in before backward; `amp`: the forwards' autocast context."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
     device = next(stage.parameters()).device
@@ -326,7 +327,7 @@ def pipeline_step(stage: Stage, micro_batches, schedule: str = "1f1b", dp_group=
         dist.all_reduce(count, group=dp_group)
     if count.item() == 0:
         raise ValueError("every target in this global batch is masked (-1): nothing to learn from")
-    run = _Run(stage, micro_batches, dp / count.item(), record)
+    run = _Run(stage, micro_batches, loss_scale * dp / count.item(), record, amp)
     SCHEDULES[schedule](run, len(micro_batches))
     stage.allreduce_tied_grads()
     # Only the last stage computed the loss; the others add zero, so the sum is exact.

@@ -116,5 +116,5 @@ def set_activation_checkpointing(model: nn.Module, on: bool = True) -> None:
     if blocks is None:
         raise ValueError("activation checkpointing works per transformer block: the model "
                          "needs a `blocks` list (minidist.model.GPT has one)")
-    for b in blocks:
+    for b in (blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks):  # a pipeline Stage's
         b.recompute = checkpoint if on else None

@@ -21,9 +21,11 @@ import torch.distributed as dist
 from minidist.ddp import DDP, FlatDDP, NaiveDDP
 from minidist.mesh import MeshSync
 from minidist.muon import Muon, split_params
+from minidist.pipeline import pipeline_step
+from minidist.pipeline_compose import PipelineSync
 from minidist.scaler import LossScaler, autocast
 from minidist.tensor_parallel_muon import TensorParallelMuon, tensor_parallel_group
-from minidist.zero import muon_for_zero, muon_under_zero, zero_optimizer
+from minidist.zero import ShardedOptimizer, muon_for_zero, muon_under_zero, zero_optimizer
 
 
 def make_optimizers(model, args, group=None) -> list[torch.optim.Optimizer]:
@@ -39,7 +41,11 @@ def make_optimizers(model, args, group=None) -> list[torch.optim.Optimizer]:
     groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": args.weight_decay},
               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
     adamw = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-    if args.zero_stage:  # ZeRO averages the gradients itself, with reduce-scatters
+    if args.zero_stage and getattr(args, "pp", 1) > 1:  # chapter 11: ZeRO-1 of a pipeline stage
+        # takes its shard of gradients averaged after the pipeline step (PipelineSync)
+        opts = [ShardedOptimizer(groups, torch.optim.AdamW, group=group, stage=1, reduce_gradients=False,
+                                 bucket_cap_mb=args.bucket_cap_mb, module=model, **adamw)]
+    elif args.zero_stage:  # ZeRO averages the gradients itself, with reduce-scatters
         opts = [zero_optimizer(model, groups, torch.optim.AdamW, args.zero_stage,  # (stage 3 shards
                                bucket_cap_mb=args.bucket_cap_mb, others=hidden, group=group, **adamw)]
     else:
@@ -66,6 +72,8 @@ def gradient_sync(model, opts, args, mesh=None):
     otherwise DDP as --dp asks. On a dp x tp mesh (chapter 10) that averaging runs over
     the dp group, and MeshSync adds the norm over the tensor-parallel shards."""
     group = None if mesh is None else mesh.dp_group
+    if mesh is not None and mesh.pp > 1:  # chapter 11: averaged once, after the pipeline step
+        return PipelineSync(model, group, flat=args.dp != "naive", zero=opts[0] if args.zero_stage else None)
     if args.zero_stage:
         muons = [o for o in opts if isinstance(o, Muon)]
         sync = muon_under_zero(opts[0], muons[0]) if muons else opts[0]
@@ -115,6 +123,20 @@ def forward_backward(model, micro_batches, world_size: int, sync=None,
     return (total / count).item()
 
 
+def pipeline_forward_backward(stage, micro_batches, sync, scaler: LossScaler, precision: str,
+                              dp_group, schedule: str) -> float:
+    """forward_backward for a pipeline stage (chapter 11): the micro-batches through the
+    schedule (the loss normalised as forward_backward does, times the loss scale), then
+    the gradients averaged over the data-parallel replicas. Returns the global batch's
+    mean loss per token, on every stage."""
+    device = next(stage.parameters()).device
+    loss = pipeline_step(stage, micro_batches, schedule, dp_group,
+                         loss_scale=scaler.get_scale() if scaler is not None and scaler.enabled else 1.0,
+                         amp=lambda: autocast(device, precision))
+    sync.finish_gradient_synchronization()
+    return loss
+
+
 def lr_at(step: int, args) -> float:
     """Linear warmup, then cosine decay to min_lr_ratio * lr."""
     if step < args.warmup_steps:
@@ -153,10 +175,11 @@ def finite_state(model, optimizers, scaler: LossScaler | None = None) -> bool:
 
 @torch.no_grad()
 def evaluate(model, loader, info, tok_bytes, max_windows=None, precision="fp32",
-             group=None) -> tuple[float, float]:
+             group=None, loss_fn=None) -> tuple[float, float]:
     """(mean loss in nats per token, bits per byte) over the validation windows, all
     ranks sharing the work, the forward pass in the training precision. Bits per byte
-    divides by the UTF-8 bytes of the predicted tokens, so it compares across tokenizers."""
+    divides by the UTF-8 bytes of the predicted tokens, so it compares across tokenizers.
+    `loss_fn(x, y)`: the summed loss (default: the model's; a pipeline's pipeline_eval)."""
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64)  # nats, tokens, bytes
     windows = list(loader.all_windows(max_windows))
@@ -164,7 +187,7 @@ def evaluate(model, loader, info, tok_bytes, max_windows=None, precision="fp32",
         w = torch.stack([torch.from_numpy(loader.window(j)) for j in windows[i:i + 16]])
         x, y = w[:, :-1].to(info.device), w[:, 1:].to(info.device)
         with autocast(info.device, precision):
-            _, loss = model(x, y, reduction="sum")
+            loss = model(x, y, reduction="sum")[1] if loss_fn is None else loss_fn(x, y)
         sums += torch.tensor([loss.item(), y.numel(), tok_bytes[w[:, 1:].numpy()].sum()],
                              dtype=torch.float64)
     sums = sums.to(info.device)

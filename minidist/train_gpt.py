@@ -8,6 +8,8 @@ Chapter 01 (chapters/01_gpt.md) is the baseline this runs by default. Exercised 
     torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --precision fp16   # ch. 05
     torchrun --standalone --nproc_per_node=2 --max-restarts=3 minidist/train_gpt.py \
         --checkpoint-every 50 --resume auto                # ch. 08: survives a killed rank
+    torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --pp 2 --grad-accum-steps 4  # ch. 11
+    torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --config recipes/cpu_default.toml
 
 On CPU it trains a tiny GPT on Shakespeare with a 2048-token cut of GPT-2's BPE; on a
 GPU, GPT-2 small (124M) with GPT-2's full BPE. Every size is a flag. Rank 0 prints one
@@ -29,18 +31,21 @@ import torch.distributed as dist
 from minidist import checkpoint, data, faults, metrics
 from minidist.ddp import broadcast_module
 from minidist.mesh import make_mesh
+from minidist.pipeline import Stage
+from minidist.pipeline_compose import pipeline_eval, pipeline_generate
 from minidist.tensor_parallel_gpt import parallelize
 from minidist.dist import OutDirInUse, acquire_lock, cleanup, init, release_lock
-from minidist.flags import agree_across_ranks, build_parser, make_scaler, resolve_args, world_size_from_env
+from minidist.flags import agree_across_ranks, build_parser, make_scaler, parse_args, resolve_args, world_size_from_env
 from minidist.model import GPT, PRESETS, GPTConfig, config_num_params, flops_per_token
 from minidist.muon import check_routing
 from minidist.recompute import set_activation_checkpointing
 from minidist.faults import StopOnSignal, any_signal, is_collective_failure
-from minidist.train import evaluate, finite_state, forward_backward, gradient_sync, lr_at, make_optimizers
+from minidist.train import (evaluate, finite_state, forward_backward, gradient_sync, lr_at, make_optimizers,
+                            pipeline_forward_backward)
 
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = resolve_args(build_parser().parse_args(argv), world_size_from_env())
+    args = resolve_args(parse_args(argv), world_size_from_env())
     # One run per --out-dir: rank 0 holds its lock from here to the end, however it ends
     # (minidist.dist.acquire_lock). Every check above ran first: a refused run did nothing.
     rank0 = os.environ.get("RANK", "0") == "0"
@@ -98,12 +103,16 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
                           if getattr(args, k) is not None}})
     model = GPT(cfg).to(info.device)
     broadcast_module(model)  # identical start on every rank, whatever the seeds did
+    pp = args.pp > 1  # chapter 11
     # chapter 10: the ranks as a dp x tp grid; each replica's tp ranks hold slices of its
     # layers (cut from the identical full model) and share its batch
-    mesh = make_mesh(tp=args.tp) if args.tp > 1 else None
+    # chapter 11: a pp x dp (x tp) grid; each rank holds one stage, its contiguous blocks
+    mesh = make_mesh(tp=args.tp, pp=args.pp) if args.tp > 1 or args.pp > 1 else None
     dp, dp_rank, group = (mesh.dp, mesh.dp_rank, mesh.dp_group) if mesh else (info.world_size, info.rank, None)
-    if mesh:
+    if mesh and args.tp > 1:
         model = parallelize(model, mesh.tp_group, args.sequence_parallel)
+    if pp:
+        model = Stage(model, mesh.pp_group)
     set_activation_checkpointing(model, args.activation_checkpointing == "blocks")  # chapter 09
     opts = make_optimizers(model, args, group)
     sync = gradient_sync(model, opts, args, mesh)  # DDP (--dp), or the ZeRO optimizer: averages gradients
@@ -118,7 +127,10 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
     log(f"minidist | {info.world_size} x {info.device.type} ({info.backend}) | {args.preset}: "
         f"{config_num_params(cfg) / 1e6:.2f}M params, {cfg.n_layer}L {cfg.n_head}H {cfg.n_embd}d, "
         f"vocab {cfg.vocab_size} ({args.tokenizer}) | batch {args.batch_size} x {args.seq_len} "
-        f"tokens ({k} micro-step{'s' if k > 1 else ''}) | dp {args.dp}{f' x {dp}, tp {args.tp}' + (' + sequence parallel' if args.sequence_parallel else '') if mesh else ''} | {args.precision} | {args.optimizer}{f' zero-{args.zero_stage}' if args.zero_stage else ''} | {args.steps} steps | MFU vs {peak_src}")
+        f"tokens ({k} micro-step{'s' if k > 1 else ''}) | dp {args.dp if not pp or args.dp == 'naive' else 'flat'}{f' x {dp}, tp {args.tp}' + (' + sequence parallel' if args.sequence_parallel else '') if mesh and args.tp > 1 else ''}{f' x {dp}, pp {args.pp}' if pp else ''} | {args.precision} | {args.optimizer}{f' zero-{args.zero_stage}' if args.zero_stage else ''} | {args.steps} steps | MFU vs {peak_src}")
+    if pp:
+        log(f"pipeline | {mesh.describe()} | {args.pp_schedule}, {k} micro-batches | {model.describe()} | "
+            f"gradients averaged over dp after each step ({'per parameter' if args.dp == 'naive' else 'one flat all-reduce'})")
     if args.plan:  # chapter 09: what the planner chose for the "auto" flags, and why
         log(f"plan | {args.plan}")
 
@@ -138,6 +150,7 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
                 "device": info.device.type, "params": config_num_params(cfg)}
     watch = metrics.LossWatch(args)  # a loss non-finite for steps in a row stops the run
     tput, t_start = metrics.Throughput(), time.perf_counter()
+    loss_fn = (lambda x, y: pipeline_eval(model, x, y)) if pp else None  # evaluation's forward
     check_muon_routing = args.optimizer == "muon"  # once, after the first step taken (ch. 07)
     loss, step = math.nan, start - 1
     try:
@@ -146,7 +159,10 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
             for g in (g for o in opts for g in o.param_groups):
                 g["lr"] = g["peak_lr"] * lr / args.lr  # every group on the same schedule
             micro = [tuple(t.to(info.device) for t in train.batch(step * k + m)) for m in range(k)]
-            loss = forward_backward(model, micro, dp, sync, scaler, args.precision, group)
+            if pp:  # chapter 11: the micro-batches through the stages
+                loss = pipeline_forward_backward(model, micro, sync, scaler, args.precision, group, args.pp_schedule)
+            else:
+                loss = forward_backward(model, micro, dp, sync, scaler, args.precision, group)
             for o in opts:  # the gradients are averaged now
                 scaler.unscale_(o)  # true gradients before clipping (a no-op unless fp16)
             if args.grad_clip > 0:
@@ -176,7 +192,7 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
                 rate = tput.rate()  # training only: evaluation below is not counted
                 if (step + 1) % args.eval_interval == 0 and not (last or ending):
                     row["val_loss"], _ = evaluate(model, val, info, tok_bytes, args.eval_windows,
-                                                  args.precision, group)
+                                                  args.precision, group, loss_fn)
                     tput.rate()  # restart the clock after evaluating
                 m = metrics.mfu(fpt, rate, peak, info.world_size)
                 row.update(tokens_per_s=rate, mfu=m, mem_gb=metrics.memory_bytes(info.device) / 1e9,
@@ -221,7 +237,7 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
         raise
 
     # by default the whole validation split
-    val_loss, bpb = evaluate(model, val, info, tok_bytes, args.final_eval_windows, args.precision, group)
+    val_loss, bpb = evaluate(model, val, info, tok_bytes, args.final_eval_windows, args.precision, group, loss_fn)
     train_s = time.perf_counter() - t_start
     rows.append({"step": args.steps, "val_loss": val_loss, "val_bpb": bpb})
     summary = {"ended": "completed", "val_loss": val_loss, "val_bpb": bpb, "train_seconds": train_s,
@@ -232,7 +248,8 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
     # every rank samples (the same text, same seed): under ZeRO-3 each forward is collective
     g = torch.Generator(device=info.device).manual_seed(args.seed)
     prompt = torch.tensor([[enc.eot_token]], device=info.device)
-    summary["sample"] = sample = enc.decode(model.generate(
+    generate = (lambda *a, **kw: pipeline_generate(model, *a, **kw)) if pp else model.generate
+    summary["sample"] = sample = enc.decode(generate(
         prompt, args.sample_tokens, temperature=0.8, top_k=50, generator=g)[0, 1:].tolist())
     if info.is_main:
         rows.close()

@@ -134,13 +134,13 @@ def test_notebook_runs_top_to_bottom(nb, monkeypatch):
 FLOORS = {
     "ground": {"dist", "launch", "pool", "model", "data", "metrics", "faults"},
     "techniques": {"comm", "ddp", "scaler", "muon", "newton_schulz", "checkpoint", "checkpoint_io",
-                   "pipeline", "pipeline_measure",  # chapter 11
+                   "pipeline", "pipeline_measure", "pipeline_compose",  # chapter 11
                    "checkpoint_schema", "checkpoint_slots", "resume",
                    "cost_model", "recompute", "memory", "plan", "tensor_parallel", "mesh", "tensor_parallel_cost",
                    "tensor_parallel_gpt", "tensor_parallel_muon"},
     "zero": {"zero", "zero.*"},  # stands on ddp (make_buckets) and comm
     "train": {"train"},  # the training library, on every technique and ZeRO
-    "top": {"flags", "flag_types", "train_gpt", "bench", "bench.*"},  # nothing imports these but themselves
+    "top": {"flags", "flag_types", "flag_checks", "train_gpt", "bench", "bench.*"},  # nothing imports these but themselves
 }
 SAME_FLOOR = {  # module: what it may import on its own floor
     "launch": {"dist"},
@@ -152,13 +152,14 @@ SAME_FLOOR = {  # module: what it may import on its own floor
     "mesh": {"ddp"},
     "pipeline": {"pipeline_measure"},
     "pipeline_measure": {"cost_model"},
+    "pipeline_compose": {"pipeline", "ddp"},
     "memory": {"cost_model", "scaler", "recompute"},
     "plan": {"cost_model", "memory", "recompute"},
     "tensor_parallel_gpt": {"tensor_parallel", "tensor_parallel_cost", "cost_model", "memory"},
     "tensor_parallel_cost": {"tensor_parallel", "cost_model"},
     "tensor_parallel_muon": {"muon", "newton_schulz", "tensor_parallel"},
     "train_gpt": {"flags"},
-    "flags": {"flag_types"},
+    "flags": {"flag_types", "flag_checks"},
     "bench": {"flags"},  # cpu_default reads AUTO, train_gpt's defaults
     "bench.*": {"flags"},  # AUTO, train_gpt's defaults; never train_gpt itself
 }

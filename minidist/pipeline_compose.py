@@ -1,0 +1,137 @@
+"""Pipeline parallelism composed with the rest of a training run: a stage's gradient sync
+over its data-parallel replicas (plain averaging, or feeding ZeRO-1's shards), the norm
+for clipping summed over the stages, and the forward-only passes that evaluation and
+sampling need.
+
+Chapter 11 (chapters/11_pipeline.md), section "composed". Exercised by
+`torchrun --standalone --nproc_per_node=4 minidist/train_gpt.py --pp 2 --grad-accum-steps 4`
+(dp 2 x pp 2) and `pytest tests/test_train_gpt.py -k pp`.
+
+Why the data-parallel averaging waits for the whole pipeline step. A stage's gradient is
+complete only after its last micro-batch's backward and, on the first and last stage, after
+the tied embedding's two halves have been summed (Stage.allreduce_tied_grads). DDP's buckets
+decide at forward time whether a backward communicates, and a pipeline interleaves forwards
+and backwards, so a backward in the middle of the step would average a partial gradient.
+So PipelineSync averages once, after pipeline_step returns: one flat all-reduce (or one per
+parameter, --dp naive), then ZeRO-1 copies its shard of the averaged gradient (the
+ZeroRedundancyOptimizer contract of minidist.zero.ShardedOptimizer, reduce_gradients=False).
+ZeRO-2 and 3 are refused with a pipeline: they would re-shard the gradients or re-gather
+the parameters for every micro-batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from minidist.ddp import (allreduce_gradients_flat, allreduce_gradients_naive, clip_to_global_norm,
+                          grad_square_sum, scale_grads, unique_params)
+from minidist.pipeline import Stage, exchange
+
+
+class PipelineSync:
+    """The gradient-sync interface (minidist/ddp.py) of one pipeline stage. `dp_group`: the
+    replicas of this stage; `flat`: one all-reduce of a flat buffer (else one per parameter);
+    `zero`: a ZeRO-1 ShardedOptimizer (reduce_gradients=False) over the same group, whose
+    shards are filled from the averaged gradients. The norm for clipping is the whole
+    model's: each stage's squares summed over the pipeline group, the tied embedding (the
+    same summed gradient on the first and the last stage) counted once, half on each."""
+
+    def __init__(self, stage: Stage, dp_group=None, flat: bool = True, zero=None):
+        self.stage, self.group, self.flat, self.zero = stage, dp_group, flat, zero
+        self._in_zero = set() if zero is None else {id(p) for u in zero.units for p in u.params}
+        self.tied = stage.wte.weight if stage.tied_peer is not None else None
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        yield  # backward never communicates over dp here: averaging waits for the step's end
+
+    def finish_gradient_synchronization(self) -> None:
+        """Average over the replicas; call once per step, after pipeline_step (a second call
+        would average again)."""
+        (allreduce_gradients_flat if self.flat else allreduce_gradients_naive)(self.stage, self.group)
+        if self.zero is not None:
+            self.zero.finish_gradient_synchronization()  # this rank's shard, copied in
+
+    def _weight(self, weight):
+        def w(p):
+            base = 1.0 if weight is None else weight(p)
+            return base / 2 if p is self.tied else base
+        return w
+
+    def grad_square_sum(self, weight=None) -> torch.Tensor:
+        w = self._weight(weight)
+        if self.zero is None:
+            sq = grad_square_sum(self.stage, w)  # averaged: the same on every replica
+        else:  # ZeRO's shards (summed over dp), plus what it does not hold (Muon's matrices)
+            sq = self.zero.grad_square_sum(w) + sum(
+                (w(p) * p.grad.double().square().sum() for p in unique_params(self.stage)
+                 if id(p) not in self._in_zero and p.grad is not None), torch.zeros((), dtype=torch.float64))
+        sq = torch.as_tensor(sq, dtype=torch.float64).reshape(1).clone()
+        dist.all_reduce(sq, group=self.stage.group)  # every stage's part: one number everywhere
+        return sq[0]
+
+    def scale_grads(self, coef) -> None:
+        scale_grads(self.stage, coef)
+        if self.zero is not None:
+            self.zero.scale_grads(coef)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return clip_to_global_norm(self.grad_square_sum(), max_norm, self.scale_grads)
+
+
+def _through(stage: Stage, x: torch.Tensor) -> torch.Tensor | None:
+    """Forward only: receive the activation from the previous stage (the first stage reads
+    the tokens `x`), run this stage's layers, send the result on. Returns the last stage's
+    final hidden state (after ln_f), None elsewhere."""
+    p = next(stage.parameters())
+    if stage.is_first:
+        pos = torch.arange(x.size(1), device=x.device)
+        h = stage.drop(stage.wte(x) + stage.wpe(pos))
+    else:
+        h = torch.empty((*x.shape, stage.config.n_embd), dtype=p.dtype, device=p.device)
+        exchange(stage.group, recvs=[(h, stage.prev)])
+    for block in stage.blocks.values():
+        h = block(h)
+    if not stage.is_last:
+        exchange(stage.group, sends=[(h.to(p.dtype).contiguous(), stage.next)])
+        return None
+    return stage.ln_f(h)
+
+
+@torch.no_grad()
+def pipeline_eval(stage: Stage, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The loss summed over the targets of (x, y), computed through the pipeline without
+    backward, on every stage of it (float64). Every stage is handed the same x, y."""
+    h = _through(stage, x)
+    total = torch.zeros(1, dtype=torch.float64, device=x.device)
+    if h is not None:
+        logits = stage.lm_head(h)
+        total += F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1),
+                                 ignore_index=-1, reduction="sum").double()
+    dist.all_reduce(total, group=stage.group)  # only the last stage added anything
+    return total[0]
+
+
+@torch.no_grad()
+def pipeline_generate(stage: Stage, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                      top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """GPT.generate through the pipeline: each new token is one full forward, the last stage
+    samples it (the same arithmetic and generator as GPT.generate) and broadcasts it to the
+    other stages, so every stage returns the same tokens."""
+    last = dist.get_process_group_ranks(stage.group or dist.group.WORLD)[-1]
+    for _ in range(max_new_tokens):
+        h = _through(stage, idx[:, -stage.config.block_size:])
+        nxt = torch.zeros((idx.size(0), 1), dtype=idx.dtype, device=idx.device)
+        if h is not None:
+            logits = stage.lm_head(h)[:, -1, :].float() / max(temperature, 1e-6)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+        dist.broadcast(nxt, src=last, group=stage.group)
+        idx = torch.cat([idx, nxt], dim=1)
+    return idx
