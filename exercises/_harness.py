@@ -78,7 +78,9 @@ def _run_part(part, fns: dict, r: int, n: int, timeout_s: float, hang_hint: str,
         return ("rule", w.broken[0]) if w.broken else outcome
     except KeyboardInterrupt:
         return "error", f"rank {r} was still busy after {limit:.0f}s (an endless loop?)"
-    except Exception as e:
+    except SystemExit as e:  # the learner's exit ends the part, not the rank
+        return "error", f"rank {r}: your code called sys.exit({e.code!r}) (exiting is not an answer)"
+    except BaseException as e:  # noqa: BLE001 - reported as text: only the grader's types travel
         if w is not None and w.broken:  # the rule tripped, and the part failed of it
             return "rule", w.broken[0]
         return "error", explain(e, timeout_s, hang_hint)
@@ -136,9 +138,12 @@ def run_all(parts: dict, fns: dict, world_sizes, timeout_s: float, hang_hint: st
             while todo:
                 progress = os.path.join(tmp, f"{n}-{len(todo)}.pkl")  # one file per launch
                 try:
+                    # the deadline stops a rank stuck where no watchdog runs yet (the
+                    # learner's module loading on the rank, exercises/_learner.py)
                     done, why = shared_pool(n).run(_worker, fns, [(p, parts[p]) for p in todo],
                                                    timeout_s, hang_hint, progress, rules,
-                                                   timeout_s=timeout_s)[0], None
+                                                   timeout_s=timeout_s,
+                                                   deadline_s=(timeout_s + 15) * len(todo) + 30)[0], None
                 except Exception as e:
                     done, why = _load(progress), explain(e, timeout_s, hang_hint)
                 for name, outcomes in done.items():
@@ -216,3 +221,10 @@ def skip_dynamo_import() -> None:
         raw = getattr(getattr(torch.optim.Optimizer, name, None), "__wrapped__", None)
         if callable(raw) and not hasattr(raw, "__dynamo_disable"):
             setattr(raw, "__dynamo_disable", raw)
+
+
+def preflight(probe, *fns):
+    """A checks module's probe of the learner's functions (a stub's hint without a launch),
+    run where the learner's code may run (exercises/_learner.py)."""
+    from exercises import _learner
+    return _learner.preflight(probe, *fns)

@@ -16,12 +16,15 @@ part inside `watch(rules)`, which for the length of the part:
 module into an FSDPModule without calling a constructor). A tripped rule raises RuleBroken
 and is recorded even when the learner's code swallows the exception; the harness then
 scores the part 0 with the message, which names the API and the rule. The grader's own
-oracle runs its collectives inside `exempt()`.
+oracle runs its collectives inside `exempt()`, which only the grader's own files may enter.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import re
+import sys
 import threading
 import types
 from contextlib import contextmanager
@@ -83,15 +86,38 @@ class Watch:
 
 
 _STATE = threading.local()  # .exempt: the grader's own oracle is running
+_HERE = os.path.dirname(os.path.realpath(__file__))
 
 
 def _exempt() -> bool:
     return getattr(_STATE, "exempt", False)
 
 
-@contextmanager
+def _grader_file(filename: str) -> bool:
+    """Is `filename` one of the grader's own files (exercises/checks_NN.py, grade.py or a
+    _module.py of exercises/)? The learner's file (exercises/NN_name.py) is not."""
+    path = os.path.realpath(filename)
+    return (os.path.dirname(path) == _HERE
+            and re.fullmatch(r"checks_\d\d\.py|grade\.py|_\w+\.py", os.path.basename(path)) is not None)
+
+
 def exempt():
-    """The grader's own collectives (its oracle) run in here, past the watch."""
+    """The grader's own collectives (its oracle) run in here, past the watch. Only the
+    grader's files may enter it: called from anywhere else (the learner's code) it trips,
+    as a forbidden API does (the file check refuses naming it at all)."""
+    caller = sys._getframe(1).f_code.co_filename
+    if not _grader_file(caller):
+        w = current()[0]
+        msg = ("exercises._rules.exempt was called from " + os.path.basename(caller) + ", which "
+               "this exercise forbids: the grader's exempt context is the grader's alone")
+        if w is not None and msg not in w.broken:
+            w.broken.append(msg)
+        raise RuleBroken(msg)
+    return _exempt_block()
+
+
+@contextmanager
+def _exempt_block():
     before, _STATE.exempt = _exempt(), True
     try:
         yield

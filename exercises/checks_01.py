@@ -14,6 +14,9 @@ from minidist.model import GPT, PRESETS, GPTConfig
 
 # The exercise's rule, watched in every check while the learner's code runs
 # (exercises/_rules.py): the formulas work from the config; the models are the grader's.
+# minidist's modules for this exercise's idea: the learner's file may not name them
+# (exercises/_filecheck.py reads it before anything runs)
+IDEA_MODULES = ("minidist.metrics", "minidist.model.config_num_params", "minidist.model.flops_per_token")
 RULES = _rules.Rules(apis={"minidist.model.GPT": (
     "exercise 01 works from the config alone: build no model (the grader builds them, to "
     "check your formula; at GPT-2 XL's size a real one takes 6 GB)")})

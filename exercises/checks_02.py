@@ -187,6 +187,9 @@ def _all_reduce_part(fns: dict, r: int, n: int) -> dict[str, list[str]]:
 
 # The exercise's rules, watched in every part while the learner's code runs (see
 # exercises/_rules.py): only send and recv may move data.
+# minidist's modules for this exercise's idea: the learner's file may not name them
+# (exercises/_filecheck.py reads it before anything runs)
+IDEA_MODULES = ("minidist.comm",)
 RULES = _rules.Rules(
     allowed=("send", "recv", "recv_anysource"),
     collective_rule="only dist.isend/irecv/send/recv may move data in exercise 02 (build the "

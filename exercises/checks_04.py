@@ -33,6 +33,10 @@ HANG_HINT = "Every rank must make the same all_reduce calls in the same order."
 # The exercise's rules, watched in every part while the learner's code runs
 # (exercises/_rules.py): the token count travels by dist.all_reduce, nothing else; the
 # gradients are the DDP's (or the caller's) business, never torch's DDP.
+# minidist's modules for this exercise's idea: the learner's file may not name them
+# (exercises/_filecheck.py reads it before anything runs)
+IDEA_MODULES = ("minidist.ddp", "minidist.train", "minidist.train_gpt")
+IDEA_ALLOWED = ("minidist.ddp.DDP",)  # what the stub itself hands out
 RULES = _rules.Rules(
     allowed=("allreduce", "send", "recv"),
     collective_rule="exercise 04 communicates only through dist.all_reduce",

@@ -120,6 +120,9 @@ def _drive(scaler, pattern: str, seed: int = 0, rank: int = 0, record=None) -> l
 
 # The exercise's rules, watched in every check and part while the learner's code runs
 # (exercises/_rules.py); the grader's own GradScaler, the oracle, runs exempt.
+# minidist's modules for this exercise's idea: the learner's file may not name them
+# (exercises/_filecheck.py reads it before anything runs)
+IDEA_MODULES = ("minidist.scaler",)
 RULES = _rules.Rules(apis={"torch.amp.GradScaler": "exercise 05 writes the loss scaler: "
                            "torch's GradScaler is the grader's oracle, not a building block"})
 
@@ -360,7 +363,7 @@ def _results(impl) -> dict:
         parts = {"ranks": _ranks_part, "shards": _shards_part}
         # a stub scaler: its hint without running it on ranks; the find-the-bug part is
         # shipped code, so it runs whatever the scaler's state
-        hint = _preflight(impl.LossScaler)
+        hint = H.preflight(_preflight, impl.LossScaler)
         if hint is None:
             return H.run_all(parts, fns, {2: ["ranks", "shards"]}, TIMEOUT_S, HANG_HINT, RULES)
         results = H.run_all(parts, fns, {2: ["shards"]}, TIMEOUT_S, HANG_HINT, RULES)

@@ -249,6 +249,10 @@ def _train_part(name: str, fns, r: int, n: int) -> dict:
 # The exercise's rules, watched in every part while the learner's code runs
 # (exercises/_rules.py); torch's ZeroRedundancyOptimizer, the grader's oracle, runs exempt.
 _YOURS = "the sharding is yours to write: no torch ZeRO, FSDP or DDP in exercise 06"
+# minidist's modules for this exercise's idea: the learner's file may not name them
+# (exercises/_filecheck.py reads it before anything runs)
+IDEA_MODULES = ("minidist.zero",)
+IDEA_ALLOWED = ("minidist.zero._Unit",)  # what the stub itself hands out
 RULES = _rules.Rules(apis={"torch.distributed.optim.ZeroRedundancyOptimizer": _YOURS,
                            _rules.TORCH_DDP: _YOURS,
                            **{name: _YOURS for name in _rules.TORCH_FSDP}})
@@ -365,7 +369,7 @@ def _results(impl) -> dict:
     first = min(plan)  # the find-the-bug part runs at the first world size, with its launch
 
     def compute():
-        hint = _preflight(impl.ShardedOptimizer)
+        hint = H.preflight(_preflight, impl.ShardedOptimizer)
         if hint is None:
             return H.run_all(parts, fns, {n: ps + ["accumulator"] * (n == first)
                                           for n, ps in plan.items()}, TIMEOUT_S, HANG_HINT, RULES)

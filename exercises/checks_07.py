@@ -40,6 +40,10 @@ from exercises.grade import check
 # The exercise's rules, watched in every check and part while the learner's code runs
 # (exercises/_rules.py): torch's Muon and its Newton-Schulz are the grader's oracles.
 _ORACLE = "exercise 07 writes Newton-Schulz and Muon: torch's are the grader's oracles"
+# minidist's modules for this exercise's idea: the learner's file may not name them
+# (exercises/_filecheck.py reads it before anything runs)
+IDEA_MODULES = ("minidist.muon", "minidist.newton_schulz", "minidist.zero")
+IDEA_ALLOWED = ("minidist.muon.adjust_lr", "minidist.muon.newton_schulz")  # what the stub itself hands out
 RULES = _rules.Rules(apis={"torch.optim.Muon": _ORACLE,
                            "torch.optim._muon._zeropower_via_newtonschulz": _ORACLE})
 
@@ -289,7 +293,7 @@ _CACHE = H.Cache()
 
 def _results(impl) -> dict:
     def compute():
-        hint = _preflight(impl.Muon)
+        hint = H.preflight(_preflight, impl.Muon)
         if hint is not None:
             return {(p, n): ("notimpl", hint) for p in PARTS for n in WORLD_SIZES}
         return H.run_all(PARTS, {"Muon": impl.Muon}, WORLD_SIZES, TIMEOUT_S, HANG_HINT, RULES)
@@ -756,7 +760,7 @@ def _shards_results(impl) -> dict:
     fn = impl.muon_step_on_shards
 
     def compute():
-        hint = _shards_preflight(fn)
+        hint = H.preflight(_shards_preflight, fn)
         if hint is not None:
             return {("shards", n): ("notimpl", hint) for n in WORLD_SIZES}
         return H.run_all({"shards": _shards_part}, {"muon_step_on_shards": fn}, WORLD_SIZES,

@@ -28,6 +28,9 @@ RULE = "torch.utils.checkpoint is the oracle here, not a building block: write t
 # its public functions, and what they call (looked up by name when they run); a solution
 # that imported `checkpoint` before grading trips as well (exercises/_rules.py patches the
 # function's code object)
+# minidist's modules for this exercise's idea: the learner's file may not name them
+# (exercises/_filecheck.py reads it before anything runs)
+IDEA_MODULES = ("minidist.recompute", "minidist.memory")
 RULES = _rules.Rules(apis={f"torch.utils.checkpoint.{name}": RULE for name in (
     "checkpoint", "checkpoint_sequential", "_checkpoint_without_reentrant_generator")})
 

@@ -29,7 +29,6 @@ The rules are enforced twice (see LEARNER_RULES below):
 
 from __future__ import annotations
 
-import ast
 import datetime
 import functools
 import sys
@@ -146,82 +145,26 @@ REFERENCE_RULES = _rules.Rules(allowed=_ALLOWED, collective_rule=_COLLECTIVE_RUL
 # (the parts run on the ranks). Not minidist's modules: patched here, a learner's alias of
 # one of their functions would be shipped to the ranks as a copy carrying this process's
 # tripwire, and would trip there outside the part's watch (as a crash, not a rule).
+# minidist's modules for this exercise's idea: the learner's file may not name them
+# (exercises/_filecheck.py reads it before anything runs)
+IDEA_MODULES = ("minidist.tensor_parallel", "minidist.tensor_parallel_gpt", "minidist.tensor_parallel_cost", "minidist.tensor_parallel_muon")
 RULES = REFERENCE_RULES
 
-# What the learner's file may not name (the file check), each with its rule. Prefixes of
-# a dotted name after its aliases are expanded (`dist.nn...` is torch.distributed.nn...).
-_FILE_RULES = {
-    "minidist.tensor_parallel": _NO_MINIDIST,
-    "minidist.tensor_parallel_gpt": _NO_MINIDIST,
+# What the learner's file may not name besides the shared rules (exercises/_filecheck.py:
+# IDEA_MODULES above, the grader, torch's private APIs, reaching modules by name, ...).
+FILE_RULES = {
     "torch.distributed.tensor": _NO_TORCH_TP,
     "torch.distributed.nn": _NO_TORCH_TP,
     "torch.distributed._functional_collectives": _NO_TORCH_TP,
-    "exercises": "the grader and its reference are not yours to import",
-    "importlib": "no modules reached by name at run time",
-    "sys.modules": "no modules reached by name at run time",
-    "__import__": "no modules reached by name at run time",
-    "gc": "no objects reached through the garbage collector",
 }
-# names that getattr(obj, "name") may not reach either
-_FILE_ATTRS = {"tensor", "nn", "tensor_parallel", "tensor_parallel_gpt", "_functional_collectives",
-               "modules", "checks_10", "parallelize_module", "DTensor"}
 
 
 def file_problems(source: str, filename: str = "exercises/10_tensor_parallel.py") -> list[str]:
-    """What in the learner's file breaks a rule, each with its line: read, never run."""
-    try:
-        tree = ast.parse(source, filename)
-    except SyntaxError as e:
-        return [f"{filename} does not parse: line {e.lineno}: {e.msg}"]
-    alias: dict[str, str] = {}
-    problems = []
-
-    def banned(dotted: str) -> str | None:
-        for prefix, rule in _FILE_RULES.items():
-            if dotted == prefix or dotted.startswith(prefix + "."):
-                return f"{prefix}: {rule}"
-        parts = dotted.split(".")
-        if parts[0] == "torch" and (parts[1:2] == ["ops"] or any(
-                p.startswith("_") and not p.startswith("__") for p in parts[1:])):
-            return ("torch's private APIs and torch.ops: the collectives go through "
-                    "torch.distributed's public functions, which the grader counts")
-        return None
-
-    def flag(node, what: str, why: str):
-        problems.append(f"{filename}, line {node.lineno}: {what} breaks a rule ({why}); "
-                        "every check scores 0")
-
-    for node in ast.walk(tree):  # imports first: they define the aliases
-        if isinstance(node, ast.Import):
-            for a in node.names:
-                alias[(a.asname or a.name).split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
-                if why := banned(a.name):
-                    flag(node, f"`import {a.name}`", why)
-        elif isinstance(node, ast.ImportFrom):
-            mod = "." * node.level + (node.module or "")
-            for a in node.names:
-                full = f"{mod}.{a.name}"
-                alias[a.asname or a.name] = full
-                if why := banned(mod) or banned(full):
-                    flag(node, f"`from {mod} import {a.name}`", why)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute):
-            parts, inner = [node.attr], node.value
-            while isinstance(inner, ast.Attribute):
-                parts.append(inner.attr)
-                inner = inner.value
-            if isinstance(inner, ast.Name):
-                dotted = ".".join([alias.get(inner.id, inner.id), *reversed(parts)])
-                if why := banned(dotted):
-                    flag(node, f"`{ast.unparse(node)}`", why)
-        elif isinstance(node, ast.Name) and node.id in ("__import__", "importlib", "gc"):
-            if why := banned(node.id):
-                flag(node, f"`{node.id}`", why)
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-              and node.func.id in ("getattr", "setattr", "hasattr") and len(node.args) > 1
-              and isinstance(node.args[1], ast.Constant) and node.args[1].value in _FILE_ATTRS):
-            flag(node, f"`{ast.unparse(node)}`", "no forbidden module or API reached by name")
-    return list(dict.fromkeys(problems))
+    """What in the learner's file breaks a rule, each with its line: read, never run
+    (exercises/_filecheck.py, with this exercise's rules)."""
+    from exercises import _filecheck
+    table = _filecheck.forbidden_names(LEARNER_RULES, IDEA_MODULES, (), FILE_RULES)
+    return _filecheck.problems(source, filename, table)
 
 
 def _check_file(impl) -> None:

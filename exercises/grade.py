@@ -10,6 +10,11 @@ formula written here independently), never against numbers copied from a run.
 tests/test_exercises.py proves for every exercise that its stubs score 0 and minidist
 scores full. A finished grading run exits 0 whatever the score; bad arguments exit 2.
 
+This process never runs the learner's code: it reads their file first (exercises/_filecheck.py:
+a file that names what its exercise forbids scores 0, unrun), then grades references to it
+that are loaded on the ranks or in a child forked per check, under a time limit
+(exercises/_learner.py). The report is this process's, printed after those are gone.
+
 Hints are tiered and asked for: `--hint` grades, then shows the next hint of the first
 failing check (the first call its first hint, the next call the second, ...), `--hint K`
 its K-th. A check's hints are `@check(..., hints=[...])`, or an entry of a `HINTS` dict
@@ -22,6 +27,7 @@ MINIDIST_HINT_STATE names another file), so a learner's clone stays clean.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import importlib.util
 import json
@@ -34,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
+
+from exercises import _learner
 
 
 
@@ -89,12 +97,31 @@ def _resolve(target: str):
     return getattr(importlib.import_module(module), attr)
 
 
+def learner_file(nn: str) -> Path:
+    """The learner's file of exercise `nn` (tests point it elsewhere)."""
+    return HERE / f"{available()[nn]}.py"
+
+
+def reference_table(path: Path) -> dict:
+    """The file's REFERENCE dict, read from its syntax tree: the grading process never
+    imports the learner's file (exercises/_learner.py says where it runs)."""
+    tree = ast.parse(path.read_text(), str(path))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "REFERENCE"
+                                                for t in node.targets):
+            return dict(ast.literal_eval(node.value))
+    raise ValueError(f"{path.name} has no REFERENCE dict (leave it as it is)")
+
+
 def implementation(nn: str, reference: bool = False, overrides: dict | None = None):
-    """The functions to grade: the student's stubs, or minidist's with reference=True."""
-    name = f"exercises.{available()[nn]}"
-    # Reload, so a notebook that edits the file and grades again sees the edit.
-    mod = importlib.reload(sys.modules[name]) if name in sys.modules else importlib.import_module(name)
-    impl = {n: _resolve(target) if reference else getattr(mod, n) for n, target in mod.REFERENCE.items()}
+    """The functions to grade: the learner's (as references to their file, loaded only
+    where the learner's code runs), or minidist's with reference=True."""
+    path = learner_file(nn)
+    table = reference_table(path)
+    if reference:
+        impl = {n: _resolve(target) for n, target in table.items()}
+    else:
+        impl = {n: _learner.LearnerRef.of(path, f"exercises.{available()[nn]}", n) for n in table}
     impl.update(overrides or {})
     return SimpleNamespace(**impl)
 
@@ -108,6 +135,7 @@ class CheckResult:
     points: int
     max_points: int
     message: str = ""
+    output: str = ""  # what the learner's code printed while this check ran apart
 
 
 @dataclass
@@ -127,7 +155,8 @@ def rules_of(nn: str):
     return getattr(sys.modules.get(f"exercises.checks_{nn}"), "RULES", None)
 
 
-def _run(c: Check, impl: SimpleNamespace, rules=None) -> CheckResult:
+def _verdict(c: Check, impl: SimpleNamespace, rules=None) -> tuple[bool, str]:
+    """(passed, message) of check `c` on `impl`, run in this process under the rules."""
     # The check runs under the exercise's rules too: what it runs in this process (the
     # single-process checks) breaks them as a part on the ranks would (exercises/_rules.py)
     from exercises import _rules
@@ -136,7 +165,7 @@ def _run(c: Check, impl: SimpleNamespace, rules=None) -> CheckResult:
         with _rules.watching(rules) as w:
             c.fn(impl)
         if not w.broken:
-            return CheckResult(c.name, True, c.points, c.points)
+            return True, ""
         msg = f"{w.broken[0]} (this check scores 0)"
     except NotImplementedError as e:  # still a stub: show its hint
         msg = f"not implemented: {e}"
@@ -146,7 +175,40 @@ def _run(c: Check, impl: SimpleNamespace, rules=None) -> CheckResult:
         msg = f"{type(e).__name__}: {e}"
     if w is not None and w.broken and "scores 0" not in msg:
         msg = f"{w.broken[0]} (this check scores 0)"
-    return CheckResult(c.name, False, 0, c.points, msg)
+    return False, msg
+
+
+# The longest one check may run in the child that runs the learner's code in one process
+# (exercises/_learner.py); the multi-process parts have their own watchdogs. Tests lower it.
+CHECK_TIME_LIMIT_S = float(os.environ.get("MINIDIST_CHECK_TIME_LIMIT", 60))
+
+
+def _run(c: Check, impl: SimpleNamespace, rules=None, limit_s: float | None = None) -> CheckResult:
+    """Run check `c`. Here when it only hands the learner's code to the ranks; in a child
+    of its own, under a time limit, when it calls that code in this process."""
+    try:
+        ok, msg = _verdict(c, impl, rules)
+        printed = ""
+    except _learner.InProcess:
+        ok, msg, printed = _learner.run_apart(lambda real: _verdict(c, real, rules), c.name, impl,
+                                              CHECK_TIME_LIMIT_S if limit_s is None else limit_s)
+    if ok:
+        return CheckResult(c.name, True, c.points, c.points, output=printed)
+    return CheckResult(c.name, False, 0, c.points, msg, output=printed)
+
+
+def file_problems(nn: str) -> list[str]:
+    """What the learner's file of exercise `nn` may not name (exercises/_filecheck.py),
+    read from its syntax tree before anything in it runs."""
+    from exercises import _filecheck
+    path = learner_file(nn)
+    try:
+        targets = tuple(reference_table(path).values())
+    except SyntaxError:
+        targets = ()
+    except Exception:  # no REFERENCE: the load fails below, saying so
+        targets = ()
+    return _filecheck.of_exercise(nn, path, sys.modules.get(f"exercises.checks_{nn}"), targets)
 
 
 def grade(nn: str, reference: bool = False, overrides: dict | None = None) -> Result:
@@ -155,13 +217,18 @@ def grade(nn: str, reference: bool = False, overrides: dict | None = None) -> Re
     if nn not in known:
         raise KeyError(f"no exercise {nn!r}; available: {', '.join(known) or 'none'}")
     t0, result = time.perf_counter(), Result(nn, known[nn])
+    checks = checks_of(nn)
+    problems = [] if reference else file_problems(nn)
+    if problems:  # read before anything runs: a file that breaks a rule scores 0, unrun
+        result.checks = [CheckResult(c.name, False, 0, c.points, problems[0]) for c in checks]
+        result.seconds = time.perf_counter() - t0
+        return result
     try:
         impl = implementation(nn, reference, overrides)
-    except Exception as e:  # the student's file does not import: every check fails, saying why
+    except Exception as e:  # the student's file does not load: every check fails, saying why
         why = f"exercises/{known[nn]}.py does not load: {type(e).__name__}: {e}"
-        result.checks = [CheckResult(c.name, False, 0, c.points, why) for c in checks_of(nn)]
+        result.checks = [CheckResult(c.name, False, 0, c.points, why) for c in checks]
     else:
-        checks = checks_of(nn)
         result.checks = [_run(c, impl, rules_of(nn)) for c in checks]
     result.seconds = time.perf_counter() - t0
     return result
@@ -179,11 +246,20 @@ def report(results: list[Result], reference: bool) -> str:
             # the whole hint or error, wrapped; only a runaway message (a tensor repr) is cut
             msg = textwrap.shorten(c.message, 600, placeholder=" ...") if c.message else ""
             lines += textwrap.wrap(msg, 88, initial_indent=" " * 8, subsequent_indent=" " * 8)
+            if c.output.strip():  # the learner's prints, marked as theirs (never a report)
+                shown = c.output.rstrip().splitlines()
+                lines.append(" " * 8 + f"your code printed ({len(shown)} lines):")
+                lines += [" " * 8 + "| " + ln[:100] for ln in shown[:8]]
+                if len(shown) > 8:
+                    lines.append(" " * 8 + "| ...")
         lines.append("")
     rows = [(r.name, f"{r.passed}/{r.total}", str(r.points), str(r.max_points)) for r in results]
     tot = [sum(getattr(r, a) for r in results) for a in ("passed", "total", "points", "max_points")]
     rows.append(("total", f"{tot[0]}/{tot[1]}", str(tot[2]), str(tot[3])))
     head = ("exercise", "tests passed", "points", "total")
+    # Printed by the grading process after every process that ran the learner's code is
+    # gone: a table the learner's code printed appears above, marked as theirs.
+    lines.append(f"Report of the grading process (pid {os.getpid()}); your code ran in other processes.")
     widths = [max(len(row[i]) for row in [head, *rows]) for i in range(4)]
     for i, row in enumerate([head, *rows]):
         if i == len(rows):  # a rule above the total
@@ -223,11 +299,23 @@ def hint_state_path() -> Path:
     return Path(cache) / "minidist" / "hints.json"
 
 
-def _load_state() -> dict:
+def _load_state() -> tuple[dict, str]:
+    """(the hint counts, a message when the file was damaged and is reset)."""
+    path = hint_state_path()
     try:
-        return json.loads(hint_state_path().read_text())
-    except (OSError, ValueError):  # none yet, or unreadable: start counting again
-        return {}
+        text = path.read_text()
+    except FileNotFoundError:  # none yet
+        return {}, ""
+    except (OSError, ValueError) as e:  # unreadable (a folder, no permission, not text)
+        return {}, f"(the hint state {path} could not be read ({type(e).__name__}); counting hints from 1 again)"
+    try:
+        state = json.loads(text)
+        if not isinstance(state, dict) or not all(isinstance(k, str) and type(v) is int
+                                                  for k, v in state.items()):
+            raise ValueError("not a table of counts")
+        return state, ""
+    except ValueError:
+        return {}, f"(the hint state {path} was damaged and is reset; counting hints from 1 again)"
 
 
 def hint(result: Result, k: int | None = None) -> str:
@@ -241,7 +329,7 @@ def hint(result: Result, k: int | None = None) -> str:
     if not hints:
         return (f"{result.name}: no hints for '{failing.name}'; its message above says "
                 "what is wrong, and the exercise's docstring states the rule it checks.")
-    state, key = _load_state(), f"{result.nn}:{failing.name}"
+    (state, note), key = _load_state(), f"{result.nn}:{failing.name}"
     shown = state.get(key, 0)
     if k is None:
         k = min(shown + 1, len(hints))
@@ -252,21 +340,27 @@ def hint(result: Result, k: int | None = None) -> str:
         path = hint_state_path()
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(state, indent=1, sort_keys=True))
-    except OSError:  # a read-only home: the hint still shows, the count does not advance
+    except (OSError, ValueError):  # a read-only home: the hint still shows, the count does not advance
         pass
     more = ("this is the last one" if k == len(hints) else
             f"`python -m exercises.grade {result.nn} --hint` shows hint {k + 1}")
-    return "\n".join([f"Hint {k} of {len(hints)} for {result.name}, '{failing.name}' ({more}):", ""]
+    return "\n".join(([note, ""] if note else [])
+                     + [f"Hint {k} of {len(hints)} for {result.name}, '{failing.name}' ({more}):", ""]
                      + textwrap.wrap(hints[k - 1], 88, initial_indent="  ", subsequent_indent="  "))
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Grade, then print the report: 0 once grading finished (whatever the score and
+    whatever the learner's code did: it ran in other processes), 2 for bad arguments."""
     args = parse_args(argv)
     results = [grade(nn, args.reference) for nn in args.chosen]
     print(report(results, args.reference))
     if args.hint is not None:
         print()
-        print(hint(results[0], None if args.hint == 0 else args.hint))
+        try:
+            print(hint(results[0], None if args.hint == 0 else args.hint))
+        except Exception as e:  # the report above stands; the hint machinery failed
+            print(f"no hint this time: {type(e).__name__}: {e}")
     return 0
 
 
