@@ -115,3 +115,29 @@ def test_checksums_benchmark_quick():
     assert row["preset"] == "tiny" and 1 < row["params_M"] < 1.2 and row["MB"] > 0
     for k in ("save", "load"):
         assert row[f"{k}_with_s"] > 0 and row[f"{k}_without_s"] > 0
+
+
+def test_pp_benchmark_quick(tmp_path):
+    """Chapter 11's benchmark, quick (p 2, m 1, 2, 4, both schedules): what it counts on the
+    real run equals the formulas (micro-batches in flight per stage, m for GPipe and
+    min(p - stage, m) for 1F1B; the bytes saved for backward, per micro-batch and at the
+    peak); the bubble it measures is a share of the step; its formula column is
+    (p-1)/(m+p-1). No time is asserted."""
+    r = run([sys.executable, "-m", "minidist.bench", "pp", "--quick", "--out", str(tmp_path)], timeout=300)
+    assert r.returncode == 0, r.stderr
+    result = json.loads((tmp_path / "pp.json").read_text())
+    points = result["points"]
+    assert {(pt["p"], pt["m"], pt["schedule"]) for pt in points} == \
+        {(2, m, s) for m in (1, 2, 4) for s in ("gpipe", "1f1b")}
+    for pt in points:
+        p, m = pt["p"], pt["m"]
+        assert pt["formula"] == pytest.approx((p - 1) / (m + p - 1))
+        assert 0 < pt["bubble"] < 1 and pt["ratio"] == pytest.approx(pt["bubble"] / pt["formula"])
+        assert [st["stage"] for st in pt["stages"]] == list(range(p))
+        for st in pt["stages"]:
+            k = m if pt["schedule"] == "gpipe" else min(p - st["stage"], m)
+            assert st["peak_in_flight"] == st["in_flight_order"] == st["in_flight_formula"] == k
+            assert st["saved_per_mb"] == st["saved_per_mb_formula"] > 0
+            assert st["peak_saved"] == st["peak_saved_formula"] == k * st["saved_per_mb"]
+    assert result["memory_counts_equal_formulas"] is True
+    assert (tmp_path / "pp.png").read_bytes()[:4] == b"\x89PNG"

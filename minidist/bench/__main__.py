@@ -16,6 +16,9 @@ prints a table and writes NAME.json and NAME.png into --out:
     tp           chapter 10: tensor parallelism at tp 1, 2, 4: bytes, parameters, activations
                  against the formulas, step time beside a GPU node's predicted; our parallel
                  MLP vs torch's DTensor plans
+    pp           chapter 11: the pipeline bubble measured from recorded timelines vs
+                 (p-1)/(m+p-1) at p 2 and 4, m 1..16; in-flight activations counted vs
+                 the formulas, GPipe and 1F1B
     scale        chapter 08: minidist.cost_model from 8 to 1024 GPUs (no processes)
     checksums    chapter 08: checkpoint save and load with and without their CRC-32s
     all          every one above, then report.md (minidist/bench/report.py); exit status 1
@@ -28,7 +31,7 @@ import argparse
 import json
 from pathlib import Path
 
-from minidist.bench import checksums, collectives, ddp, muon, muon_zero, report, scale, tp, zero
+from minidist.bench import checksums, collectives, ddp, muon, muon_zero, pp, report, scale, tp, zero
 
 
 def all_benchmarks(args) -> dict:
@@ -37,7 +40,7 @@ def all_benchmarks(args) -> dict:
 
 BENCHMARKS = {"collectives": collectives.run, "ddp": ddp.run, "zero": zero.run, "muon": muon.run,
               "muon_zero": muon_zero.cli, "scale": scale.run, "checksums": checksums.run, "tp": tp.run,
-              "all": all_benchmarks}
+              "pp": pp.run, "all": all_benchmarks}
 
 
 def main(argv=None) -> None:

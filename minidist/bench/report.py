@@ -3,7 +3,7 @@
 tests/test_cost_model.py (with stub benchmarks). minidist/bench/__main__.py hands it the
 benchmarks by name, so this module imports none of them.
 
-Runs collectives, ddp, zero, muon, tp, checksums and scale, in that order (scale last: it compares its
+Runs collectives, ddp, zero, muon, tp, pp, checksums and scale, in that order (scale last: it compares its
 model with what the others just measured), with the same arguments, each writing its
 NAME.json and NAME.png into --out as when run alone. report.md holds, per benchmark, its
 tables in markdown, its plot by relative link, and what it printed; at the top, the
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-ORDER = ("collectives", "ddp", "zero", "muon", "tp", "checksums", "scale")
+ORDER = ("collectives", "ddp", "zero", "muon", "tp", "pp", "checksums", "scale")
 
 
 class _Tee(io.StringIO):

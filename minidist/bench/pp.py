@@ -1,0 +1,194 @@
+"""`python -m minidist.bench pp`: pipeline parallelism's bubble and in-flight memory, measured
+on recorded timelines and counted, against their formulas. Chapter 11
+(chapters/11_pipeline.md). Exercised by `python -m minidist.bench pp --quick`
+(tests/test_bench.py).
+
+At p = 2 and 4 stages (one process each) and m = 1..16 micro-batches, both schedules
+(GPipe, 1F1B), every stage records its step (minidist.pipeline_measure.StepRecord):
+
+- the bubble: the share of p x the step's time in which no stage ran a forward or a
+  backward, from the recorded timelines (bubble_fraction), against (p-1)/(m+p-1), as the
+  ratio measured / formula per point (median of a few steps);
+- the in-flight memory: the most micro-batches a stage held between forward and backward,
+  and the most bytes saved for backward at once (counted by autograd's pack hook, as
+  chapter 09 counts them), against m (GPipe) and min(p - stage, m) (1F1B) times one
+  micro-batch's bytes on that stage (stage_activation_bytes). These are exact: equal or not.
+
+The model is sized so that compute dominates the messages: 4 blocks of width 256 and
+8 x 128-token micro-batches, so one stage's forward of one micro-batch takes tens of ms on
+one CPU core, and the activation it sends (1 MB) about a millisecond over loopback.
+
+What 2 cores do to the measurement. Each process gets one thread (launch divides the
+cores among the ranks). At p = 2 each stage has a core of its own, as the formula assumes,
+and the measured bubble follows (p-1)/(m+p-1), the more so at small m; as m grows, what the
+formula leaves out (the messages, Python between the operations, the last stage's head,
+other jobs on a shared machine) is a growing share of a shrinking bubble, and the ratio
+rises above 1. At p = 4 the four stages share two cores: every stage runs on a core about
+half of its wall time (the "on core" column, at most cores / p), so its forwards and
+backwards are stretched in wall time, and so are its waits; the wall-clock shares, and so
+the measured bubble, still come out near the formula, but the idle is not idle hardware: a
+stage that waits for a message sleeps in gloo and its core runs another stage's work. The
+step takes about twice as long as with a core per stage. With one device per stage (a GPU
+each), the bubble is the device's idle time, as the formula means it.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from minidist.launch import launch
+from minidist.model import GPT, GPTConfig
+from minidist.pipeline import Stage, pipeline_step, split_layers
+from minidist.pipeline_measure import (StepRecord, bubble_fraction, bubble_formula, in_flight,
+                                       in_flight_formula, stage_activation_bytes)
+
+SCHEDULES = ("gpipe", "1f1b")
+FULL = dict(cfg=dict(n_layer=4, n_head=4, n_embd=256, block_size=128, vocab_size=256), batch=8,
+            ps=(2, 4), ms=tuple(range(1, 17)), repeats=3)
+QUICK = dict(cfg=dict(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=128), batch=2,
+             ps=(2,), ms=(1, 2, 4), repeats=1)
+
+
+def _rank_device() -> torch.device:
+    # the device this rank's backend expects: its GPU under NCCL, the CPU under gloo
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _sweep(cfg: dict, B: int, ms, repeats: int) -> dict | None:
+    """On every stage: each (schedule, m) run `repeats` times after a warm-up; rank 0 gets
+    every stage's records and CPU seconds."""
+    dev, p = _rank_device(), dist.get_world_size()
+    torch.manual_seed(0)  # the same full model on every stage, cut there
+    stage = Stage(GPT(GPTConfig(**cfg)).to(dev), None)
+    T = cfg["block_size"]
+    g = torch.Generator().manual_seed(1)
+    # one tensor per micro-batch (the byte count dedups by storage, so no views of one batch)
+    mbs = [(torch.randint(0, cfg["vocab_size"], (B, T), generator=g).to(dev),
+            torch.randint(0, cfg["vocab_size"], (B, T), generator=g).to(dev)) for _ in range(max(ms))]
+    for sched in SCHEDULES:  # warm-up: allocator, gloo's pairs, the first-call overheads
+        pipeline_step(stage, mbs[:min(2, len(mbs))], sched)
+    out = {}
+    for sched in SCHEDULES:
+        for m in ms:
+            runs = []
+            for _ in range(repeats):
+                stage.zero_grad(set_to_none=True)
+                rec = StepRecord()
+                cpu = time.process_time()
+                pipeline_step(stage, mbs[:m], sched, record=rec)
+                cpu = time.process_time() - cpu
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                every = [None] * p
+                dist.all_gather_object(every, (rec, cpu))
+                runs.append(every)
+            out[sched, m] = runs
+    return out if dist.get_rank() == 0 else None
+
+
+def _point(cfg: GPTConfig, B: int, p: int, m: int, sched: str, runs) -> dict:
+    """One (p, m, schedule): the bubble, measured (median over the runs) and by formula, and
+    per stage the counted in-flight peaks beside the formulas."""
+    bubbles, cpu_share = [], []
+    for every in runs:
+        records = [r for r, _ in every]
+        span = max(e.end for r in records for e in r.events)
+        bubbles.append(bubble_fraction(records))
+        cpu_share.append(sum(c for _, c in every) / (p * span))
+    records = [r for r, _ in runs[-1]]  # the counts are the same in every run
+    cuts = split_layers(cfg.n_layer, p)
+    stages = []
+    for s, r in enumerate(records):
+        per_mb = stage_activation_bytes(cfg, B, cfg.block_size, len(cuts[s]), s == 0, s == p - 1)
+        k = in_flight_formula(sched, p, s, m)
+        stages.append(dict(stage=s, peak_in_flight=r.peak_in_flight, in_flight_order=in_flight(r.order()),
+                           in_flight_formula=k, saved_per_mb=r.saved_bytes[0], saved_per_mb_formula=per_mb,
+                           peak_saved=r.peak_saved, peak_saved_formula=k * per_mb))
+    formula = bubble_formula(p, m)
+    measured = statistics.median(bubbles)
+    return dict(p=p, m=m, schedule=sched, bubble=measured, bubbles=bubbles, formula=formula,
+                ratio=measured / formula if formula else None, cpu_share=statistics.median(cpu_share),
+                step_s=max(e.end for r in records for e in r.events), stages=stages)
+
+
+def run(args) -> dict:
+    size = QUICK if args.quick else FULL
+    cfg, B = size["cfg"], size["batch"]
+    gcfg = GPTConfig(**cfg)
+    result = dict(config=cfg, batch=B, cores=os.cpu_count(), points=[])
+    print(f"GPT of {gcfg.n_layer} blocks, d={gcfg.n_embd}, vocab {gcfg.vocab_size}; micro-batches of "
+          f"{B} x {gcfg.block_size} tokens, fp32; {size['repeats']} step(s) per point, median; "
+          f"{os.cpu_count()} CPU cores")
+    for p in size["ps"]:
+        t0 = time.perf_counter()
+        runs = launch(_sweep, p, cfg, B, size["ms"], size["repeats"], timeout_s=1800)[0]
+        points = [_point(gcfg, B, p, m, s, runs[s, m]) for s in SCHEDULES for m in size["ms"]]
+        result["points"] += points
+        print(f"\np = {p} stages ({p} processes on {os.cpu_count()} cores), "
+              f"{time.perf_counter() - t0:.0f} s")
+        print(f"  {'m':>3} {'formula':>8} | {'GPipe':>6} {'/formula':>8} {'step s':>7} {'on core':>7} | "
+              f"{'1F1B':>6} {'/formula':>8} {'step s':>7} {'on core':>7}")
+        by = {(pt["schedule"], pt["m"]): pt for pt in points}
+        for m in size["ms"]:
+            row = f"  {m:3d} {bubble_formula(p, m):8.3f} |"
+            for s in SCHEDULES:
+                pt = by[s, m]
+                row += f" {pt['bubble']:6.3f} {pt['ratio']:8.2f} {pt['step_s']:7.2f} {pt['cpu_share']:7.2f} |"
+            print(row.rstrip("|"))
+        m = max(size["ms"])
+        print(f"  in flight at m = {m}, per stage: peak micro-batches (formula), peak saved MB (formula = "
+              "that x one micro-batch's)")
+        for s in SCHEDULES:
+            cells = [f"stage {st['stage']}: {st['peak_in_flight']} ({st['in_flight_formula']}), "
+                     f"{st['peak_saved'] / 1e6:.1f} ({st['peak_saved_formula'] / 1e6:.1f})"
+                     for st in by[s, m]["stages"]]
+            print(f"  {s:>5}  " + " | ".join(cells))
+    exact = all(st["peak_in_flight"] == st["in_flight_formula"] == st["in_flight_order"]
+                and st["peak_saved"] == st["peak_saved_formula"]
+                and st["saved_per_mb"] == st["saved_per_mb_formula"]
+                for pt in result["points"] for st in pt["stages"])
+    result["memory_counts_equal_formulas"] = exact
+    print(f"\nin-flight micro-batches and saved bytes, every stage, schedule and m: counted "
+          f"{'==' if exact else '!='} formula")
+    print("(bubble: 1 - forward and backward time / (p x step time), from the recorded timelines; "
+          "on core: the stages' process CPU seconds / (p x step time), at most cores / p)")
+    _plot(result, Path(args.out) / "pp.png")
+    return result
+
+
+def _plot(result, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ps = sorted({pt["p"] for pt in result["points"]})
+    fig, axes = plt.subplots(1, len(ps), figsize=(5.2 * len(ps), 3.8), squeeze=False, sharey=True)
+    for ax, p in zip(axes[0], ps):
+        pts = [pt for pt in result["points"] if pt["p"] == p]
+        ms = sorted({pt["m"] for pt in pts})
+        fine = [x / 10 for x in range(10, 10 * max(ms) + 1)]
+        ax.plot(fine, [bubble_formula(p, x) for x in fine], color="black", label="(p-1)/(m+p-1)")
+        for i, s in enumerate(SCHEDULES):
+            mine = sorted((pt for pt in pts if pt["schedule"] == s), key=lambda pt: pt["m"])
+            xs = [pt["m"] + (i - 0.5) * 0.15 for pt in mine]
+            lo = [pt["bubble"] - min(pt["bubbles"]) for pt in mine]
+            hi = [max(pt["bubbles"]) - pt["bubble"] for pt in mine]
+            ax.errorbar(xs, [pt["bubble"] for pt in mine], yerr=[lo, hi], fmt="o", ms=4, capsize=2,
+                        color=f"C{i}", label=f"measured, {'GPipe' if s == 'gpipe' else '1F1B'}")
+        ax.set(xlabel="micro-batches m", title=f"p = {p} stages, {p} processes on {result['cores']} cores",
+               ylim=(0, 1.02))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("bubble: idle share of the step")
+    fig.suptitle("Pipeline bubble, measured from the recorded timelines (median, range of the steps) "
+                 "vs the formula", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
