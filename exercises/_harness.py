@@ -25,6 +25,7 @@ import pickle
 import sys
 import tempfile
 import threading
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -228,3 +229,35 @@ def preflight(probe, *fns):
     run where the learner's code may run (exercises/_learner.py)."""
     from exercises import _learner
     return _learner.preflight(probe, *fns)
+
+
+@contextmanager
+def watching_process_groups(on_call, names):
+    """Inside: every call of one of `names` (collectives, send, recv, ...) on a
+    torch.distributed ProcessGroup, or on its gloo backend, first calls on_call(pg, name,
+    args), then runs. This is below torch.distributed's Python functions, so a learner's
+    call reaches it however it was made (dist.*, the group's own methods, the backend's).
+    Each class's own attributes are put back as they were on the way out."""
+    undo = []
+    classes = [dist.ProcessGroup] + [c for c in (getattr(dist, "ProcessGroupGloo", None),) if c]
+    for cls in classes:
+        for name in names:
+            if not hasattr(cls, name):
+                continue
+            # restore what the class's own dict held (a pybind method's descriptor); call
+            # what attribute lookup gives
+            orig, saved = getattr(cls, name), cls.__dict__.get(name)
+
+            def wrapper(pg, *args, _orig=orig, _name=name, **kwargs):
+                on_call(pg, _name, args)
+                return _orig(pg, *args, **kwargs)
+            setattr(cls, name, wrapper)
+            undo.append((cls, name, saved))
+    try:
+        yield
+    finally:
+        for cls, name, saved in reversed(undo):
+            if saved is not None:
+                setattr(cls, name, saved)
+            else:
+                delattr(cls, name)

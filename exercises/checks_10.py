@@ -250,34 +250,13 @@ class _Recorder:
         self.group, self.events, self.phase = group, {}, None
         self.mine = {id(group), id(group._get_backend(torch.device("cpu")))}
 
-    @contextmanager
-    def recording(self):
-        undo, rec = [], self
-        classes = [dist.ProcessGroup] + [c for c in (getattr(dist, "ProcessGroupGloo", None),) if c]
-        for cls in classes:
-            for name in (*_rules.COLLECTIVES, "send", "recv", "recv_anysource"):
-                if not hasattr(cls, name):
-                    continue
-                # restore what the class's own dict held (a pybind method's descriptor),
-                # call what attribute lookup gives
-                orig, saved = getattr(cls, name), cls.__dict__.get(name)
+    def _seen(self, pg, name, args):
+        if self.phase is not None:
+            size = max([_numel(a) for a in args[:2]] + [0])
+            self.events[self.phase].append((_KIND.get(name, name), size, id(pg) in self.mine))
 
-                def wrapper(pg, *args, _orig=orig, _name=name, **kwargs):
-                    if rec.phase is not None:
-                        size = max([_numel(a) for a in args[:2]] + [0])
-                        rec.events[rec.phase].append(
-                            (_KIND.get(_name, _name), size, id(pg) in rec.mine))
-                    return _orig(pg, *args, **kwargs)
-                setattr(cls, name, wrapper)
-                undo.append((cls, name, saved))
-        try:
-            yield self
-        finally:
-            for cls, name, saved in reversed(undo):
-                if saved is not None:
-                    setattr(cls, name, saved)
-                else:
-                    delattr(cls, name)
+    def recording(self):
+        return H.watching_process_groups(self._seen, (*_rules.COLLECTIVES, "send", "recv", "recv_anysource"))
 
     @contextmanager
     def __call__(self, phase: str):

@@ -46,7 +46,6 @@ import copy
 import datetime
 import functools
 import sys
-from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
@@ -369,29 +368,8 @@ class _Recorder:
             who = "any stage" if name == "recv_anysource" else f"stage {peer}"
             w.trip(f"a {_KIND[name]} between stage {self.s} and {who} (not a neighbour)", _P2P_RULE)
 
-    @contextmanager
     def recording(self):
-        undo, rec = [], self
-        classes = [dist.ProcessGroup] + [c for c in (getattr(dist, "ProcessGroupGloo", None),) if c]
-        for cls in classes:
-            for name in (*_rules.COLLECTIVES, "send", "recv", "recv_anysource"):
-                if not hasattr(cls, name):
-                    continue
-                orig, saved = getattr(cls, name), cls.__dict__.get(name)
-
-                def wrapper(pg, *args, _orig=orig, _name=name, **kwargs):
-                    rec._seen(pg, _name, args)
-                    return _orig(pg, *args, **kwargs)
-                setattr(cls, name, wrapper)
-                undo.append((cls, name, saved))
-        try:
-            yield self
-        finally:
-            for cls, name, saved in reversed(undo):
-                if saved is not None:
-                    setattr(cls, name, saved)
-                else:
-                    delattr(cls, name)
+        return H.watching_process_groups(self._seen, (*_rules.COLLECTIVES, "send", "recv", "recv_anysource"))
 
 
 # --------------------------------------------------------------------- the part, run on every rank
