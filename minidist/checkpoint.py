@@ -234,7 +234,7 @@ def load(path, model, optimizers, scaler=None, total_steps: int | None = None) -
             problems.append(f"{s.key}: {r.shapes[s.key]} in the checkpoint, {s.shape} here")
         else:
             fills.append((s.tensor, s.key, s.runs))
-    wanted = {f"model/{n}" for n in [*layout.names.values(), *model.state_dict()]}
+    wanted = {f"model/{n}" for n in layout.all_names}  # (a pipeline stage: what any stage holds)
     problems += [f"{k} is in the checkpoint but not in this model"
                  for k in r.shapes if k.startswith("model/") and k not in wanted]
     if len(r.meta["optimizers"]) != len(optimizers):

@@ -104,55 +104,65 @@ def _nbytes(t: torch.Tensor) -> int:
 
 class Layout:
     """This rank's part of a checkpoint of `model` and its optimizers: each parameter's
-    full shape and runs, who writes it and its state. A collective (one all-gather of the
-    shard specs) when the model holds tensor-parallel shards and the world has ranks."""
+    full shape and runs, who writes it and its state. A collective: one all-gather of what
+    each rank holds (names, shapes, tensor-parallel slices), when the world has ranks.
+
+    Ranks may hold different tensors: a pipeline stage (chapter 11) holds its own blocks,
+    the first and the last stage both the tied embedding. So every rank learns what every
+    rank holds, and of the ranks holding the same elements one writes them, chosen by
+    the same rule on every rank."""
 
     def __init__(self, model):
         self.rank, world = rank_and_world()
         self.names = {id(p): n for n, p in model.named_parameters()}  # a tied one: its first name
         params = list({id(p): p for p in model.parameters()}.values())
-        mine = tuple(sorted((self.names[id(p)], (tuple(p.shape), _spec(p.tp_shard))) for p in params
-                            if getattr(p, "tp_shard", None) is not None))
+        persistent = set(model.state_dict())
+        self.buffers = [(n, b) for n, b in model.named_buffers() if n in persistent]
+        # what this rank holds, by name: (shape here, tensor-parallel slice or None, bytes)
+        mine = tuple(sorted([(self.names[id(p)], (tuple(p.shape), _spec(getattr(p, "tp_shard", None)), _nbytes(p)))
+                             for p in params] + [(n, (tuple(b.shape), None, _nbytes(b))) for n, b in self.buffers]))
         everyone = [mine] * world
-        if mine and world > 1:
+        if world > 1:
             dist.all_gather_object(everyone, mine)
-        self.replicas = [r for r in range(world) if everyone[r] == mine]
-        cut_like = {sig: min(r for r in range(world) if everyone[r] == sig) for sig in set(everyone)}
-        self.cut_like = [cut_like[sig] for sig in everyone]  # rank -> the first rank cut like it
+        held = [dict(sig) for sig in everyone]
+        self.all_names = set().union(*held)  # every tensor some rank holds
+        self.replicas = [r for r in range(world) if everyone[r] == mine]  # cut and placed like this rank
+        first = {sig: min(r for r in range(world) if everyone[r] == sig) for sig in set(everyone)}
+        self.cut_like = [first[sig] for sig in everyone]  # rank -> the first rank that holds the same
         self.shape, self.runs = {}, {}
-        for name, (shape, spec) in mine:
-            full = _full_shape(name, shape, spec, [dict(sig).get(name, (None, None))[1] for sig in cut_like])
+        for name, (shape, spec, _) in mine:
+            full = shape if spec is None else _full_shape(
+                name, shape, spec, list(dict.fromkeys(h[name][1] for h in held if name in h)))
             self.shape[name], self.runs[name] = full, flat_runs(full, spec)
-        for p in params:
-            n = self.names[id(p)]
-            if n not in self.shape:
-                self.shape[n], self.runs[n] = tuple(p.shape), flat_runs(tuple(p.shape), None)
-        # writers: the replicated parameters over the world, then the shards over the replicas
+        # writers: of the ranks that hold the same elements (a name and a slice), one,
+        # largest first, each to the rank with the fewest bytes so far
+        holders = {}
+        for r, h in enumerate(held):
+            for name, (_, spec, nbytes) in h.items():
+                holders.setdefault((name, spec), (nbytes, []))[1].append(r)
+        keys = sorted(holders, key=lambda k: (-holders[k][0], k[0], repr(k[1])))
         load = dict.fromkeys(range(world), 0)
-        whole = [p for p in params if getattr(p, "tp_shard", None) is None]
-        cut = [p for p in params if getattr(p, "tp_shard", None) is not None]
-        self.writer = dict(zip(map(id, whole), writers([_nbytes(p) for p in whole], range(world), load)))
-        self.writer.update(zip(map(id, cut), writers([_nbytes(p) for p in cut], self.replicas, load)))
+        who = {}
+        for k in keys:
+            nbytes, ranks = holders[k]
+            who[k] = writers([nbytes], ranks, load)[0]
+        self.writer = {n: who[n, spec] for n, (_, spec, _) in mine}  # by name
 
     def writes(self, p) -> bool:
         """Whether this rank saves parameter p (and its state, when that is replicated too)."""
-        return self.writer[id(p)] == self.rank
+        return self.writer[self.names[id(p)]] == self.rank
 
     def writes_pieces(self, p) -> bool:
         """Whether this rank saves its pieces of p's state sharded over its replicas (ZeRO):
         the pieces of a shard always; of a replicated parameter, in its writer's replicas."""
-        return self.cut_like[self.writer[id(p)]] == self.cut_like[self.rank]
+        return self.cut_like[self.writer[self.names[id(p)]]] == self.cut_like[self.rank]
 
     def slots(self, model, optimizers) -> list[Slot]:
         """The parameters and persistent buffers: a parameter that an optimizer holds only as
         pieces (ZeRO-3: state_pieces()'s params) is saved piece by piece; any other one is
         whole here (or this rank's tensor-parallel shard), and one of its holders writes it."""
-        persistent = set(model.state_dict())
-        buffers = [(n, b) for n, b in model.named_buffers() if n in persistent]
-        owners = writers([_nbytes(b) for _, b in buffers], range(len(self.cut_like)),
-                         dict.fromkeys(range(len(self.cut_like)), 0))
         slots = [Slot(f"model/{n}", tuple(b.shape), flat_runs(tuple(b.shape), None), b.view(-1),
-                      w == self.rank) for (n, b), w in zip(buffers, owners)]
+                      self.writer[n] == self.rank) for n, b in self.buffers]
         pieces = [piece for o in optimizers if hasattr(o, "state_pieces") for piece in o.state_pieces()[1]]
         for p, start, t in pieces:
             if t.numel():  # (an empty piece: sharded, but none of it on this rank)
@@ -187,7 +197,9 @@ class Layout:
             yield n, self.shape[n], self.runs[n], p, None, self.writes(p)
 
 
-def _spec(spec) -> tuple:
+def _spec(spec) -> tuple | None:
+    if spec is None:
+        return None
     dim, ranges = spec
     return int(dim), tuple((int(a), int(b)) for a, b in ranges)
 
@@ -195,7 +207,7 @@ def _spec(spec) -> tuple:
 def _full_shape(name: str, shape: tuple, spec: tuple, specs: list) -> tuple:
     """The full tensor's shape, from this shard's and every differently cut rank's `specs`,
     whose ranges must tile the full size along dim exactly once."""
-    dim = spec[0]
+    dim = spec[0]  # (specs: each differently cut slice once; the tied embedding is on two stages)
     ranges = sorted(r for s in specs if s is not None for r in s[1])
     size = ranges[-1][1]
     tiled = all(s is not None and s[0] == dim for s in specs) and ranges[0][0] == 0 and \

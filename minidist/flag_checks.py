@@ -58,12 +58,10 @@ def check_pipeline(p, args, world_size: int) -> None:
     pp, what = args.pp, f"--pp {args.pp}"
     if pp == 1:
         return
-    if args.tp > 1:
-        p.error(f"{what} with --tp {args.tp}: tensor x pipeline parallelism is not built yet: "
-                "use --tp or --pp (each with data parallelism), not both")
     if world_size % (pp * args.tp):
-        p.error(f"{what} does not divide the world of {world_size} ranks: start a multiple of {pp} "
-                "ranks (world = dp x pp), or change --pp")
+        n = pp * args.tp
+        p.error(f"{what}{f' x --tp {args.tp}' if args.tp > 1 else ''} does not divide the world of "
+                f"{world_size} ranks: start a multiple of {n} ranks (world = dp x tp x pp), or change --pp")
     if args.n_layer < pp:
         p.error(f"{what}: each stage holds at least one block and the model has --n-layer "
                 f"{args.n_layer}: use --pp <= {args.n_layer}")
@@ -75,9 +73,6 @@ def check_pipeline(p, args, world_size: int) -> None:
     if "auto" in (args.zero_stage, args.grad_accum_steps, args.activation_checkpointing):
         p.error(f"{what} with the planner's auto flags: the planner does not plan pipelines yet: "
                 "give --zero-stage 0 or 1, a number for --grad-accum-steps and none/blocks")
-    if args.checkpoint_every or args.resume:
-        p.error(f"{what} with --checkpoint-every/--resume: checkpoints of pipeline stages are not "
-                "built yet: drop them, or train with --pp 1 to checkpoint")
 
 
 def check_tensor_parallel(p, args, world_size: int) -> None:

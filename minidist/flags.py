@@ -83,10 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
            "plain data parallelism (--dp); auto: the planner picks (chapter 09, minidist/plan.py)")
     a("--tp", type=positive_int, default=1,
       help="tensor parallelism (chapter 10): every layer split over this many ranks; the world "
-           "is dp x tp, data parallelism (and ZeRO 1-2) over the dp ranks")
+           "is dp x tp (x pp), data parallelism (and ZeRO 1-2) over the dp ranks")
     a("--pp", type=positive_int, default=1,
       help="pipeline parallelism (chapter 11): the blocks cut into this many stages, one per rank; "
-           "the world is dp x pp, --grad-accum-steps micro-batches flow through the stages")
+           "the world is dp x tp x pp, --grad-accum-steps micro-batches flow through the stages")
     a("--pp-schedule", default="1f1b", choices=["gpipe", "1f1b"],
       help="with --pp: all forwards then all backwards (gpipe), or one forward one backward (1f1b)")
     a("--sequence-parallel", action="store_true",

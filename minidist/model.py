@@ -152,14 +152,24 @@ class GPT(nn.Module):
         `targets` equal to -1 are ignored (masked). `reduction="sum"` returns the summed
         loss, which chapter 04 divides by the token count of the whole global batch.
         """
-        B, T = idx.shape
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x, targets, reduction)
+
+    # forward's two ends, apart: a pipeline's first stage runs embed, its last head
+    # (chapter 11's Stage holds wte, wpe, drop, ln_f and lm_head under these names)
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token plus position embeddings of `idx` (B, T): the blocks' input (B, T, C)."""
+        T = idx.shape[1]
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}; "
                              "use shorter sequences or a larger block_size")
         pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
-        for block in self.blocks:
-            x = block(x)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+    def head(self, x: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"):
+        """(logits, loss or None) from the last block's output: final norm, tied head, loss."""
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits, None

@@ -290,7 +290,8 @@ def hidden_matrices(model: nn.Module) -> dict[int, str]:
     a lookup table, not a linear map on its input, so orthogonalising its update has no
     meaning; the head's rows each meet one token's loss; the Muon authors found AdamW
     better for both. Gains and biases are vectors: AdamW."""
-    skip = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    skip = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) or getattr(m, "is_lookup", False)
+            for p in m.parameters()}  # (is_lookup: a table of another class, e.g. split by vocabulary)
     head = getattr(model, "lm_head", None)
     if isinstance(head, nn.Module):
         skip |= {id(p) for p in head.parameters()}

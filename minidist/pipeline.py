@@ -38,10 +38,9 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from minidist.model import GPT
-from minidist.pipeline_measure import Event, StepRecord
+from minidist.pipeline_measure import Event, StepRecord, count_saved_bytes
 
 
 def split_layers(n_layer: int, pp: int) -> list[range]:
@@ -67,17 +66,19 @@ def describe_cut(n_layer: int, pp: int) -> str:
 
 
 class Stage(nn.Module):
-    """This rank's stage of `model` (a minidist.model.GPT, the same on every stage): its
-    blocks, plus the embeddings on the first stage and the final norm and head on the last.
-    Weights are copied, and named as in the full model ("blocks.5.attn.c_attn.weight"), so
-    a stage's state_dict is a slice of the full one. `pp_group`: the ranks of this pipeline,
-    in stage order (a mesh's pp_group; None: the whole world).
+    """This rank's stage of `model` (the same on every stage): its blocks, plus the
+    embeddings on the first stage and the final norm and head on the last, named as in the
+    full model ("blocks.5.attn.c_attn.weight"), so a stage's state_dict is a slice of the
+    full one. `model`: a minidist.model.GPT, whose weights are copied; or this rank's
+    tensor-parallel shard of one (chapter 10's ParallelGPT, already a copy), whose modules
+    the stage takes as they are. `pp_group`: the ranks of this pipeline, in stage order (a
+    mesh's pp_group; None: the whole world).
 
     forward(x, targets) takes token indices on the first stage, the previous stage's
     activation elsewhere; it returns the activation to send on, and on the last stage the
-    loss summed over the targets (-1 masked), as GPT.forward(x, y, reduction="sum")."""
+    loss summed over the targets (-1 masked), as model(x, y, reduction="sum")."""
 
-    def __init__(self, model: GPT, pp_group=None):
+    def __init__(self, model: nn.Module, pp_group=None):
         super().__init__()
         self.group = pp_group
         self.stage, self.stages = dist.get_rank(pp_group), dist.get_world_size(pp_group)
@@ -88,14 +89,23 @@ class Stage(nn.Module):
         # neighbours as global ranks (what P2POp takes); None at the ends of the pipe
         self.prev = None if self.is_first else ranks[self.stage - 1]
         self.next = None if self.is_last else ranks[self.stage + 1]
+        # The ends run the model's own code: type(model).embed and .head (GPT's, or
+        # ParallelGPT's), which read only wte, wpe, drop, ln_f, lm_head and config.
+        self.kind = type(model)
+        self.tp_group = getattr(model, "tp_group", None)  # chapter 10's, when model is a shard
+        self.sequence_parallel = getattr(model, "sequence_parallel", False)
+        take = copy.deepcopy if isinstance(model, GPT) else (lambda module: module)
         if self.is_first or self.is_last:
-            self.wte = copy.deepcopy(model.wte)  # the tied matrix: the lookup and the head
+            self.wte = take(model.wte)  # the tied matrix: the lookup and the head
         if self.is_first:
-            self.wpe, self.drop = copy.deepcopy(model.wpe), copy.deepcopy(model.drop)
-        self.blocks = nn.ModuleDict({str(i): copy.deepcopy(model.blocks[i]) for i in self.layers})
+            self.wpe, self.drop = take(model.wpe), take(model.drop)
+        self.blocks = nn.ModuleDict({str(i): take(model.blocks[i]) for i in self.layers})
         if self.is_last:
-            self.ln_f = copy.deepcopy(model.ln_f)
-            self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False, device="meta")
+            self.ln_f = take(model.ln_f)
+            if isinstance(model, GPT):
+                self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False, device="meta")
+            else:
+                self.lm_head = model.lm_head
             self.lm_head.weight = self.wte.weight  # tied again, as in the full model
         # The first and the last stage each hold a copy of the tied matrix and each gets
         # one part of its gradient (the lookup's, the head's); allreduce_tied_grads sums
@@ -104,6 +114,18 @@ class Stage(nn.Module):
         if self.stages > 1 and (self.is_first or self.is_last):
             self.tied_peer = ranks[-1] if self.is_first else ranks[0]
         self._check_same_model()
+
+    def activation_shape(self, b: int, T: int) -> tuple:
+        """The shape of what crosses a link for a micro-batch of b sequences of T tokens:
+        (b, T, C); (b, T/t, C), this rank's positions, under sequence parallelism."""
+        t = dist.get_world_size(self.tp_group) if self.sequence_parallel else 1
+        return b, T // t, self.config.n_embd
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.kind.embed(self, idx)
+
+    def head(self, x: torch.Tensor, targets=None, reduction: str = "sum"):
+        return self.kind.head(self, x, targets, reduction)
 
     @torch.no_grad()
     def _check_same_model(self) -> None:
@@ -125,17 +147,10 @@ class Stage(nn.Module):
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if self.is_first:  # x: token indices (B, T)
-            if x.size(1) > self.config.block_size:
-                raise ValueError(f"sequence length {x.size(1)} exceeds block_size {self.config.block_size}")
-            pos = torch.arange(x.size(1), device=x.device)
-            x = self.drop(self.wte(x) + self.wpe(pos))
+            x = self.embed(x)
         for block in self.blocks.values():
             x = block(x)
-        if not self.is_last:
-            return x
-        logits = self.lm_head(self.ln_f(x))  # the same operations as GPT.forward
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
-                               ignore_index=-1, reduction="sum")
+        return self.head(x, targets)[1] if self.is_last else x
 
     @torch.no_grad()
     def allreduce_tied_grads(self) -> None:
@@ -174,9 +189,9 @@ class _Run:
 
     def __init__(self, stage: Stage, micro_batches, scale: float, record: StepRecord | None, amp=nullcontext):
         self.s, self.mbs, self.scale, self.record, self.amp = stage, micro_batches, scale, record, amp
-        b, T = micro_batches[0][0].shape
         p = next(stage.parameters())
-        self.shape, self.dtype, self.device = (b, T, stage.config.n_embd), p.dtype, p.device
+        self.shape = stage.activation_shape(*micro_batches[0][0].shape)
+        self.dtype, self.device = p.dtype, p.device
         self.inputs, self.outputs, self.grads = {}, {}, {}  # by micro-batch
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=p.device)
         self.live = 0  # bytes saved for backward by micro-batches not yet backwarded
@@ -220,7 +235,7 @@ class _Run:
     def forward(self, i: int) -> None:
         x, y = self.mbs[i]
         inp = x if self.s.is_first else self.inputs[i]
-        counted, hooks = self._counting()
+        counted, hooks = count_saved_bytes(self.s) if self.record is not None else ([0], nullcontext())
         start = time.perf_counter()
         with hooks, self.amp():  # amp: the forward's autocast (train_gpt's --precision)
             out = self.s(inp, y if self.s.is_last else None)
@@ -245,22 +260,6 @@ class _Run:
         self._event("B", j, start)
         if self.record is not None:  # backward freed what micro-batch j saved
             self.live -= self.record.saved_bytes[j]
-
-    def _counting(self):
-        """Chapter 09's count of saved-tensor bytes for one forward: every storage autograd
-        saves, once, leaving out the parameters (model states, not activations)."""
-        if self.record is None:
-            return [0], nullcontext()
-        params = {p.untyped_storage().data_ptr() for p in self.s.parameters()}
-        seen, counted = set(), [0]
-
-        def pack(t):
-            st = t.untyped_storage()
-            if st.data_ptr() not in params and st.data_ptr() not in seen:
-                seen.add(st.data_ptr())
-                counted[0] += st.nbytes()
-            return t
-        return counted, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
 # ------------------------------------------------------------------ the schedules

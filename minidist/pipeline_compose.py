@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from minidist.ddp import (allreduce_gradients_flat, allreduce_gradients_naive, clip_to_global_norm,
                           grad_square_sum, scale_grads, unique_params)
 from minidist.pipeline import Stage, exchange
+from minidist.tensor_parallel_gpt import plain_layout
 
 
 class PipelineSync:
@@ -38,10 +39,14 @@ class PipelineSync:
     `zero`: a ZeRO-1 ShardedOptimizer (reduce_gradients=False) over the same group, whose
     shards are filled from the averaged gradients. The norm for clipping is the whole
     model's: each stage's squares summed over the pipeline group, the tied embedding (the
-    same summed gradient on the first and the last stage) counted once, half on each."""
+    same summed gradient on the first and the last stage) counted once, half on each; on a
+    tensor-parallel stage (chapter 10) the squares are summed over the tp group too, a
+    replicated parameter counted once (1/t on each of its t ranks), as MeshSync does."""
 
     def __init__(self, stage: Stage, dp_group=None, flat: bool = True, zero=None):
         self.stage, self.group, self.flat, self.zero = stage, dp_group, flat, zero
+        self.tp_group = stage.tp_group
+        self.t = 1 if self.tp_group is None else dist.get_world_size(self.tp_group)
         self._in_zero = set() if zero is None else {id(p) for u in zero.units for p in u.params}
         self.tied = stage.wte.weight if stage.tied_peer is not None else None
 
@@ -59,6 +64,8 @@ class PipelineSync:
     def _weight(self, weight):
         def w(p):
             base = 1.0 if weight is None else weight(p)
+            if getattr(p, "tp_shard", None) is None:
+                base /= self.t  # the same on every tp rank: counted once over the group
             return base / 2 if p is self.tied else base
         return w
 
@@ -72,6 +79,8 @@ class PipelineSync:
                  if id(p) not in self._in_zero and p.grad is not None), torch.zeros((), dtype=torch.float64))
         sq = torch.as_tensor(sq, dtype=torch.float64).reshape(1).clone()
         dist.all_reduce(sq, group=self.stage.group)  # every stage's part: one number everywhere
+        if self.t > 1:
+            dist.all_reduce(sq, group=self.tp_group)  # and every slice's
         return sq[0]
 
     def scale_grads(self, coef) -> None:
@@ -86,20 +95,19 @@ class PipelineSync:
 def _through(stage: Stage, x: torch.Tensor) -> torch.Tensor | None:
     """Forward only: receive the activation from the previous stage (the first stage reads
     the tokens `x`), run this stage's layers, send the result on. Returns the last stage's
-    final hidden state (after ln_f), None elsewhere."""
+    last block's output, None elsewhere."""
     p = next(stage.parameters())
     if stage.is_first:
-        pos = torch.arange(x.size(1), device=x.device)
-        h = stage.drop(stage.wte(x) + stage.wpe(pos))
+        h = stage.embed(x)
     else:
-        h = torch.empty((*x.shape, stage.config.n_embd), dtype=p.dtype, device=p.device)
+        h = torch.empty(stage.activation_shape(*x.shape), dtype=p.dtype, device=p.device)
         exchange(stage.group, recvs=[(h, stage.prev)])
     for block in stage.blocks.values():
         h = block(h)
     if not stage.is_last:
         exchange(stage.group, sends=[(h.to(p.dtype).contiguous(), stage.next)])
         return None
-    return stage.ln_f(h)
+    return h
 
 
 @torch.no_grad()
@@ -109,9 +117,7 @@ def pipeline_eval(stage: Stage, x: torch.Tensor, y: torch.Tensor) -> torch.Tenso
     h = _through(stage, x)
     total = torch.zeros(1, dtype=torch.float64, device=x.device)
     if h is not None:
-        logits = stage.lm_head(h)
-        total += F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1),
-                                 ignore_index=-1, reduction="sum").double()
+        total += stage.head(h, y, "sum")[1].double()
     dist.all_reduce(total, group=stage.group)  # only the last stage added anything
     return total[0]
 
@@ -121,17 +127,19 @@ def pipeline_generate(stage: Stage, idx: torch.Tensor, max_new_tokens: int, temp
                       top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
     """GPT.generate through the pipeline: each new token is one full forward, the last stage
     samples it (the same arithmetic and generator as GPT.generate) and broadcasts it to the
-    other stages, so every stage returns the same tokens."""
+    other stages, so every stage returns the same tokens. Under sequence parallelism the
+    stages run in the plain layout (a growing prompt would rarely split evenly)."""
     last = dist.get_process_group_ranks(stage.group or dist.group.WORLD)[-1]
-    for _ in range(max_new_tokens):
-        h = _through(stage, idx[:, -stage.config.block_size:])
-        nxt = torch.zeros((idx.size(0), 1), dtype=idx.dtype, device=idx.device)
-        if h is not None:
-            logits = stage.lm_head(h)[:, -1, :].float() / max(temperature, 1e-6)
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
-        dist.broadcast(nxt, src=last, group=stage.group)
-        idx = torch.cat([idx, nxt], dim=1)
+    with plain_layout(stage):
+        for _ in range(max_new_tokens):
+            h = _through(stage, idx[:, -stage.config.block_size:])
+            nxt = torch.zeros((idx.size(0), 1), dtype=idx.dtype, device=idx.device)
+            if h is not None:  # the full vocabulary's logits (gathered over tp, if split)
+                logits = stage.head(h)[0][:, -1, :].float() / max(temperature, 1e-6)
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            dist.broadcast(nxt, src=last, group=stage.group)
+            idx = torch.cat([idx, nxt], dim=1)
     return idx

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from minidist.cost_model import block_activation_bytes
 from minidist.model import GPTConfig
 
@@ -84,6 +86,22 @@ def stage_activation_bytes(cfg: GPTConfig, B: int, T: int, n_blocks: int, first:
 
 
 # ------------------------------------------------------------------ the measurements
+
+def count_saved_bytes(module):
+    """(counter, context): inside the context, every storage autograd saves for backward is
+    counted once into counter[0], leaving out `module`'s parameters (model states, not
+    activations): chapter 09's count, for one forward of a pipeline stage."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen, counted = set(), [0]
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params and st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            counted[0] += st.nbytes()
+        return t
+    return counted, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
 
 def with_idle(records: list[StepRecord]) -> list[list[Event]]:
     """Every stage's events with its gaps filled by "idle" events, from the barrier to the

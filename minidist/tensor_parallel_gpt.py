@@ -102,6 +102,8 @@ class VocabParallelEmbedding(nn.Module):
     up zeros, so the sum over ranks is the full lookup: all-reduce (or reduce-scatter over
     the sequence, which also leaves each rank its positions, under sequence parallelism)."""
 
+    is_lookup = True  # a table, not a linear map: AdamW's, never Muon's (minidist.muon.hidden_matrices)
+
     def __init__(self, full: nn.Embedding, group, sp):
         super().__init__()
         self.group, self.sequence_parallel = group, sp
@@ -175,6 +177,7 @@ class ParallelGPT(nn.Module):
         super().__init__()
         sp = sequence_parallel
         self.config, self.group, self.sequence_parallel = full.config, group, sp
+        self.tp_group = group  # (a pipeline stage cut from this keeps it under this name)
         self.wte = VocabParallelEmbedding(full.wte, group, sp)
         self.wpe = copy.deepcopy(full.wpe)
         self.drop = copy.deepcopy(full.drop)
@@ -189,42 +192,56 @@ class ParallelGPT(nn.Module):
             # sampling grows the sequence a token at a time, so it would rarely split
             # evenly: the same weights in the plain layout (the same arithmetic; without
             # gradients what sequence parallelism saves does not exist)
-            with _layout(self, sequence_parallel=False):
+            with plain_layout(self):
                 return self.forward(idx)
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x, targets, reduction)
+
+    # forward's two ends, apart, as model.GPT's: a pipeline's first stage runs embed, its
+    # last head (chapter 11). They read the group from the modules (wte.group), so a stage,
+    # whose own .group is its pipeline, runs them as they are.
+    def embed(self, idx):
+        """This rank's input to the blocks: (B, T, C), or (B, T/t, C), its positions."""
         B, T = idx.shape
-        t, r = dist.get_world_size(self.group), dist.get_rank(self.group)
+        group, sp = self.wte.group, self.wte.sequence_parallel
+        t, r = dist.get_world_size(group), dist.get_rank(group)
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}; "
                              "use shorter sequences or a larger block_size")
-        if self.sequence_parallel and T % t:
+        if sp and T % t:
             raise ValueError(f"sequence parallelism splits the sequence over {t} ranks: T={T} "
                              f"must be divisible by tp={t}; change the sequence length")
         x = self.wte(idx)  # (B, T, C), or (B, T/t, C): this rank's positions
-        if self.sequence_parallel:  # this rank's rows of the position table
+        if sp:  # this rank's rows of the position table
             lo = r * (T // t)
             pos = torch.arange(lo, lo + x.shape[1], device=idx.device)
-            x = x + F.embedding(pos, used_on_positions(self.wpe.weight, self.group))
+            x = x + F.embedding(pos, used_on_positions(self.wpe.weight, group))
         else:
             x = x + self.wpe(torch.arange(T, device=idx.device))
-        x = dropout(self.drop, x, self.group, self.sequence_parallel)
-        for block in self.blocks:
-            x = block(x)
-        # the head is column-parallel over the vocabulary: under sequence parallelism it
-        # gathers the whole sequence first, so each rank's loss covers every position
+        return dropout(self.drop, x, group, sp)
+
+    def head(self, x, targets=None, reduction: str = "mean"):
+        """(logits, loss): this rank's vocabulary columns and the loss; without targets
+        (sampling) the full vocabulary's logits, gathered, and None. The head is column-
+        parallel over the vocabulary: under sequence parallelism it gathers the whole
+        sequence first, so each rank's loss covers every position."""
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
-            return gather_vocabulary(logits.detach(), self.config.vocab_size, self.group), None
-        return logits, vocab_parallel_cross_entropy(logits, targets, self.wte.start, self.group,
+            return gather_vocabulary(logits.detach(), self.config.vocab_size, self.wte.group), None
+        return logits, vocab_parallel_cross_entropy(logits, targets, self.wte.start, self.wte.group,
                                                     reduction)
 
 
 @contextlib.contextmanager
-def _layout(model: nn.Module, sequence_parallel: bool):
-    """Every module of `model` in the given layout for a while (the flag each one reads)."""
+def plain_layout(model: nn.Module):
+    """Every module of `model` (a ParallelGPT, or a pipeline stage of one) without sequence
+    parallelism for a while (the flag each one reads): for sampling."""
     mods = [m for m in model.modules() if hasattr(m, "sequence_parallel")]
     old = [m.sequence_parallel for m in mods]
     for m in mods:
-        m.sequence_parallel = sequence_parallel
+        m.sequence_parallel = False
     try:
         yield
     finally:

@@ -166,9 +166,10 @@ def newton_schulz_sharded(G: torch.Tensor, dim: int, group, steps: int = 5,
 
 def tensor_parallel_group(model) -> object | None:
     """The tp group of a model that tensor_parallel_gpt.parallelize split (its shards carry
-    `tp_shard`; ParallelGPT keeps the group as .group), None for a whole model."""
+    `tp_shard`; ParallelGPT, and a pipeline stage cut from one, keep the group as
+    .tp_group), None for a whole model."""
     split = any(getattr(p, "tp_shard", None) is not None for p in model.parameters())
-    return getattr(model, "group", None) if split else None
+    return getattr(model, "tp_group", None) if split else None
 
 
 class TensorParallelMuon(Muon):

@@ -127,7 +127,7 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
     log(f"minidist | {info.world_size} x {info.device.type} ({info.backend}) | {args.preset}: "
         f"{config_num_params(cfg) / 1e6:.2f}M params, {cfg.n_layer}L {cfg.n_head}H {cfg.n_embd}d, "
         f"vocab {cfg.vocab_size} ({args.tokenizer}) | batch {args.batch_size} x {args.seq_len} "
-        f"tokens ({k} micro-step{'s' if k > 1 else ''}) | dp {args.dp if not pp or args.dp == 'naive' else 'flat'}{f' x {dp}, tp {args.tp}' + (' + sequence parallel' if args.sequence_parallel else '') if mesh and args.tp > 1 else ''}{f' x {dp}, pp {args.pp}' if pp else ''} | {args.precision} | {args.optimizer}{f' zero-{args.zero_stage}' if args.zero_stage else ''} | {args.steps} steps | MFU vs {peak_src}")
+        f"tokens ({k} micro-step{'s' if k > 1 else ''}) | {_axes(args, dp)} | {args.precision} | {args.optimizer}{f' zero-{args.zero_stage}' if args.zero_stage else ''} | {args.steps} steps | MFU vs {peak_src}")
     if pp:
         log(f"pipeline | {mesh.describe()} | {args.pp_schedule}, {k} micro-batches | {model.describe()} | "
             f"gradients averaged over dp after each step ({'per parameter' if args.dp == 'naive' else 'one flat all-reduce'})")
@@ -259,6 +259,16 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
             f"trained {train_s:.0f}s\n--- sample ---\n{sample}\n--- "
             f"metrics.jsonl, loss.png, summary.json in {out}/")
     return {**summary, "rows": list(rows)}  # plain rows: the file behind them is closed
+
+
+def _axes(args, dp: int) -> str:
+    """The mesh for the log: "dp flat x 2, tp 2 + sequence parallel, pp 2"."""
+    out = f"dp {args.dp if args.pp == 1 or args.dp == 'naive' else 'flat'}"
+    if args.tp > 1 or args.pp > 1:
+        out += f" x {dp}"
+    if args.tp > 1:
+        out += f", tp {args.tp}" + (" + sequence parallel" if args.sequence_parallel else "")
+    return out + (f", pp {args.pp}" if args.pp > 1 else "")
 
 
 def _save(run, step, loss, model, opts, scaler, cfg, args) -> None:

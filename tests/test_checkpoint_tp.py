@@ -1,6 +1,8 @@
-"""Checkpoints of tensor-parallel runs (minidist.checkpoint, minidist.checkpoint_slots):
-saved by full name and flat element range, so a --tp 2 checkpoint resumes at --tp 1 (one
-process) and a --tp 1 one at --tp 2, at ZeRO stages 0, 1 and 2 over the dp axis.
+"""Checkpoints of tensor- and pipeline-parallel runs (minidist.checkpoint,
+minidist.checkpoint_slots): saved by full name and flat element range, so a --tp 2
+checkpoint resumes at --tp 1 (one process) and a --tp 1 one at --tp 2, at ZeRO stages 0, 1
+and 2 over the dp axis; a tp 2 x pp 2 one (each stage holding its own blocks, the first and
+the last the tied embedding) on one process, and a one-process one at dp 2 x pp 2, ZeRO-1.
 
 The oracle is one process, tp 1, plain AdamW, on the same global batches, run once without
 interruption: every checkpoint, consolidated, equals its state at the same step, and every
@@ -21,9 +23,10 @@ from minidist import checkpoint
 from minidist.checkpoint_slots import cut_runs, flat_runs
 from minidist.mesh import make_mesh
 from minidist.model import GPT, GPTConfig
+from minidist.pipeline import Stage
 from minidist.tensor_parallel import shard_of
 from minidist.tensor_parallel_gpt import parallelize
-from minidist.train import forward_backward, gradient_sync, make_optimizers
+from minidist.train import forward_backward, gradient_sync, make_optimizers, pipeline_forward_backward
 
 # 61 tokens: vocabulary rows 31 / 30 at tp 2, so ZeRO cuts each tp rank's flat buffer at other
 # places, and the replicated tensors' state must still be written exactly once
@@ -32,9 +35,9 @@ BATCH = 8  # sequences per global batch: divisible by dp 1 and 2
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-def _args(stage):
+def _args(stage, pp=1):
     return argparse.Namespace(optimizer="adamw", weight_decay=0.1, lr=1e-2, zero_stage=stage,
-                              bucket_cap_mb=0.01, dp="bucketed")
+                              bucket_cap_mb=0.01, dp="bucketed", pp=pp)
 
 
 def _batch(step, dp_rank, dp):
@@ -44,26 +47,34 @@ def _batch(step, dp_rank, dp):
     return part[:, :-1], part[:, 1:]
 
 
-def _run(tp, stage, first, last, load_from=None, root=None, save_at=()):
-    """Steps [first, last) at dp x tp (dp = world / tp), ZeRO `stage` over dp; load before,
-    save after each step in `save_at`. Returns the losses and, from rank 0, what each saved
-    checkpoint consolidates to; every rank checks its own shards against what it saved."""
+def _run(tp, stage, first, last, load_from=None, root=None, save_at=(), pp=1):
+    """Steps [first, last) at dp x tp x pp (dp = world / (tp pp)), ZeRO `stage` over dp; a
+    pipeline runs each batch as two micro-batches (1F1B); load before, save after each step
+    in `save_at`. Returns the losses and, from rank 0, what each saved checkpoint
+    consolidates to; every rank checks its own shards against what it saved."""
     rank = dist.get_rank()
-    mesh = make_mesh(tp=tp)
+    mesh = make_mesh(tp=tp, pp=pp)
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CFG))
     if tp > 1:
         model = parallelize(model, mesh.tp_group)
-    opts = make_optimizers(model, _args(stage), mesh.dp_group)
+    if pp > 1:
+        model = Stage(model, mesh.pp_group)
+    opts = make_optimizers(model, _args(stage, pp), mesh.dp_group)
     for g in (g for o in opts for g in o.param_groups):
         g["eps"] = 1e-4
-    sync = gradient_sync(model, opts, _args(stage), mesh)
+    sync = gradient_sync(model, opts, _args(stage, pp), mesh)
     if load_from:
         assert checkpoint.load(load_from, model, opts)["step"] == first
     out = {"losses": [], "saved": {}}
     for step in range(first, last):
-        out["losses"].append(forward_backward(model, [_batch(step, mesh.dp_rank, mesh.dp)], mesh.dp,
-                                              sync, None, "fp32", mesh.dp_group))
+        x, y = _batch(step, mesh.dp_rank, mesh.dp)
+        if pp > 1:
+            h = len(x) // 2
+            out["losses"].append(pipeline_forward_backward(model, [(x[:h], y[:h]), (x[h:], y[h:])], sync, None,
+                                                           "fp32", mesh.dp_group, "1f1b"))
+        else:
+            out["losses"].append(forward_backward(model, [(x, y)], mesh.dp, sync, None, "fp32", mesh.dp_group))
         for o in opts:
             o.step()
             o.zero_grad()
@@ -89,7 +100,7 @@ def _close(got: dict, want: dict):
 def oracle(pool, tmp_path_factory):
     """One process, tp 1, steps 0..4 uninterrupted, saving after steps 2 and 4."""
     root = tmp_path_factory.mktemp("oracle")
-    return pool(1).run(_run, 1, 0, 0, 4, None, str(root), (2, 4))[0]
+    return {**pool(1).run(_run, 1, 0, 0, 4, None, str(root), (2, 4))[0], "root": root}
 
 
 def test_runs_map_a_shard_to_the_full_tensor():
@@ -148,16 +159,32 @@ def test_dp2_tp2_zero2_checkpoint_resumes_at_tp2_on_two_ranks(oracle, pool, tmp_
     assert checkpoint.verify(tmp_path / "f" / "step_00000004") == []
 
 
-def test_train_gpt_resumes_a_tp2_checkpoint_at_tp1(pool, tmp_path):
-    """--tp 2 on 2 ranks saves after steps 2 and 4; one process at --tp 1 resumes from step
-    2 and logs the same losses for steps 3 and 4, and the same validation loss."""
+def test_tp2_pp2_checkpoint_resumes_on_one_process(oracle, pool, tmp_path):
+    g = pool(4).run(_run, 2, 0, 0, 2, None, str(tmp_path / "g"), (2,), 2)[0]  # tp 2 x pp 2
+    assert g["losses"] == pytest.approx(oracle["losses"][:2], rel=1e-5, abs=1e-6)
+    _close(g["saved"][2], oracle["saved"][2])  # each tensor once: the tied one from one stage
+    h = pool(1).run(_run, 1, 0, 2, 4, str(tmp_path / "g" / "step_00000002"), str(tmp_path / "h"), (4,))[0]
+    assert h["losses"] == pytest.approx(oracle["losses"][2:], rel=1e-5, abs=1e-6)
+    _close(h["saved"][4], oracle["saved"][4])
+
+
+def test_one_process_checkpoint_resumes_at_dp2_pp2_zero1(oracle, pool, tmp_path):
+    i = pool(4).run(_run, 1, 1, 2, 4, str(oracle["root"] / "step_00000002"), str(tmp_path / "i"), (4,), 2)[0]
+    assert i["losses"] == pytest.approx(oracle["losses"][2:], rel=1e-5, abs=1e-6)
+    _close(i["saved"][4], oracle["saved"][4])
+
+
+@pytest.mark.parametrize("split", [["--tp", "2"], ["--pp", "2", "--grad-accum-steps", "2"]])
+def test_train_gpt_resumes_a_tp2_or_pp2_checkpoint_on_one_process(pool, tmp_path, split):
+    """--tp 2 (or --pp 2) on 2 ranks saves after steps 2 and 4; one process resumes from
+    step 2 and logs the same losses for steps 3 and 4, and the same validation loss."""
     from minidist import train_gpt
     argv = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seq-len", "16", "--tokenizer",
             "gpt2-512", "--lr", "3e-3", "--warmup-steps", "1", "--eval-windows", "4",
             "--final-eval-windows", "8", "--sample-tokens", "2", "--log-interval", "1", "--device", "cpu",
             "--optimizer", "adamw", "--steps", "4", "--batch-size", "4", "--eval-interval", "100"]
-    tp2 = pool(2).run(train_gpt.main, argv + ["--tp", "2", "--checkpoint-every", "2",
-                                              "--out-dir", str(tmp_path / "tp2")])[0]
+    tp2 = pool(2).run(train_gpt.main, argv + split + ["--checkpoint-every", "2",
+                                                      "--out-dir", str(tmp_path / "tp2")])[0]
     step2 = tmp_path / "tp2" / "checkpoints" / "step_00000002"
     tp1 = pool(1).run(train_gpt.main, argv + ["--resume", str(step2), "--out-dir", str(tmp_path / "tp1")])[0]
     losses = lambda s: {r["step"]: r["loss"] for r in s["rows"] if "loss" in r}

@@ -136,7 +136,7 @@ FLOORS = {
     "techniques": {"comm", "ddp", "scaler", "muon", "newton_schulz", "checkpoint", "checkpoint_io",
                    "pipeline", "pipeline_measure", "pipeline_compose",  # chapter 11
                    "checkpoint_schema", "checkpoint_slots", "resume",
-                   "cost_model", "recompute", "memory", "plan", "tensor_parallel", "mesh", "tensor_parallel_cost",
+                   "cost_model", "recompute", "memory", "plan", "plan_mesh", "tensor_parallel", "mesh", "tensor_parallel_cost",
                    "tensor_parallel_gpt", "tensor_parallel_muon"},
     "zero": {"zero", "zero.*"},  # stands on ddp (make_buckets) and comm
     "train": {"train"},  # the training library, on every technique and ZeRO
@@ -152,9 +152,10 @@ SAME_FLOOR = {  # module: what it may import on its own floor
     "mesh": {"ddp"},
     "pipeline": {"pipeline_measure"},
     "pipeline_measure": {"cost_model"},
-    "pipeline_compose": {"pipeline", "ddp"},
+    "pipeline_compose": {"pipeline", "ddp", "tensor_parallel_gpt"},
     "memory": {"cost_model", "scaler", "recompute"},
     "plan": {"cost_model", "memory", "recompute"},
+    "plan_mesh": {"cost_model", "memory", "pipeline", "pipeline_measure", "plan", "tensor_parallel_cost"},
     "tensor_parallel_gpt": {"tensor_parallel", "tensor_parallel_cost", "cost_model", "memory"},
     "tensor_parallel_cost": {"tensor_parallel", "cost_model"},
     "tensor_parallel_muon": {"muon", "newton_schulz", "tensor_parallel"},

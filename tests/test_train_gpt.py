@@ -32,16 +32,20 @@ TP = {"tp-2": ["--tp", "2"], "tp-2-sp-zero-1": ["--tp", "2", "--sequence-paralle
       "tp-2-zero-2": ["--tp", "2", "--zero-stage", "2"], "tp-2-muon": ["--tp", "2", "--optimizer", "muon"]}
 # the pipeline (chapter 11), with Muon (the CPU default) against the one-process Muon oracle:
 # pp 2 alone, 1F1B over 4 micro-batches; dp 2 x pp 2, GPipe over 2 micro-batches, ZeRO-1 over
-# the dp ranks (Muon's owners within each stage's dp group), gradient clipping's norm over both stages
+# the dp ranks (Muon's owners within each stage's dp group), gradient clipping's norm over both stages;
+# tp 2 x pp 2 with sequence parallelism, 1F1B over 2 micro-batches (the stages cut from each
+# rank's tensor-parallel shard; Muon orthogonalising whole matrices gathered over tp)
 PP = {"pp-2-1f1b": ["--pp", "2", "--pp-schedule", "1f1b"],
-      "pp-2-gpipe-dp-2": ["--pp", "2", "--pp-schedule", "gpipe", "--zero-stage", "1", "--grad-clip", "0.05"]}
+      "pp-2-gpipe-dp-2": ["--pp", "2", "--pp-schedule", "gpipe", "--zero-stage", "1", "--grad-clip", "0.05"],
+      "tp-2-pp-2-sp": ["--tp", "2", "--pp", "2", "--sequence-parallel", "--pp-schedule", "1f1b"]}
 
 
 @pytest.mark.parametrize("dp, world, accum", [("naive", 2, 1), ("flat", 2, 2), ("bucketed", 2, 1),
                                               ("bucketed", 4, 2), ("zero-1", 2, 2), ("zero-2", 2, 1),
                                               ("zero-3", 2, 2), ("tp-2", 2, 1), ("tp-2-sp-zero-1", 4, 2),
                                               ("tp-2-zero-2", 4, 1), ("tp-2-muon", 2, 1),
-                                              ("pp-2-1f1b", 2, 4), ("pp-2-gpipe-dp-2", 4, 2)])
+                                              ("pp-2-1f1b", 2, 4), ("pp-2-gpipe-dp-2", 4, 2),
+                                              ("tp-2-pp-2-sp", 4, 2)])
 def test_data_parallel_equals_one_process(tmp_path, dp, world, accum, pool):
     """`world` ranks x `accum` micro-steps, each micro-batch batch/(world*accum) sequences:
     averaged gradients must give the trajectory of one process on the whole batch
@@ -101,10 +105,9 @@ BAD_FLAGS = [
     (["--pp", "2", "--n-layer", "1"], "use --pp <= 1"),
     (["--pp", "2", "--zero-stage", "2"], "for every micro-batch"),
     (["--pp", "2", "--zero-stage", "3"], "re-gather the parameters"),
-    (["--pp", "2", "--tp", "2"], "tensor x pipeline parallelism is not built yet"),
+    (["--pp", "2", "--tp", "2"], "--pp 2 x --tp 2 does not divide the world of 2 ranks"),
     (["--pp", "2", "--grad-accum-steps", "auto"], "the planner does not plan pipelines"),
     (["--pp", "2", "--sequence-parallel"], "add --tp 2 or more"),
-    (["--pp", "2", "--checkpoint-every", "5"], "checkpoints of pipeline stages are not built"),
     (["--pp", "2", "--pp-schedule", "zigzag"], "invalid choice: 'zigzag'"),
     (["--dp", "bogus"], "invalid choice: 'bogus'"),
     (["--tokenizer", "sentencepiece"], "unknown tokenizer"),
