@@ -9,7 +9,7 @@ import pytest
 from minidist.flags import parse_args, resolve_args
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-WORLD = {"cpu_default.toml": 2, "gpt2_124m_8gpu_zero1.toml": 8, "pp2_dp2_4gpu.toml": 4}
+WORLD = {"cpu_default.toml": 2, "gpt2_124m_8gpu_zero1.toml": 8, "tp2_pp2_4gpu.toml": 4}
 
 
 def test_every_recipe_is_listed():
@@ -24,8 +24,9 @@ def test_recipe_resolves(name, tmp_path, monkeypatch):
     args = resolve_args(parse_args(["--config", str(RECIPES / name), "--device", "cpu",
                                     "--out-dir", str(tmp_path)]), WORLD[name])
     assert args.device == "cpu" and args.config == str(RECIPES / name)
-    if name.startswith("pp2"):
-        assert (args.pp, args.pp_schedule, args.zero_stage, args.grad_accum_steps) == (2, "1f1b", 1, 8)
+    if name.startswith("tp2_pp2"):
+        assert (args.tp, args.sequence_parallel, args.pp, args.pp_schedule, args.grad_accum_steps) == \
+            (2, True, 2, "1f1b", 8)
     if name.startswith("gpt2"):
         assert (args.preset, args.zero_stage, args.batch_size, args.precision) == ("gpt2", 1, 512, "bf16")
 
