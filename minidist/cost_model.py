@@ -109,11 +109,13 @@ def link(n: int, hw: Hardware) -> tuple[float, float]:
     return max(hw.intra_alpha_s, hw.inter_alpha_s), 1 / (min(hw.intra_GBps, hw.inter_GBps) * GB)
 
 
-def collective_time(op: str, nbytes: float, n: int, hw: Hardware) -> float:
-    """Seconds for one collective on a buffer of nbytes (the whole S) over n GPUs."""
+def collective_time(op: str, nbytes: float, n: int, hw: Hardware, span: int | None = None) -> float:
+    """Seconds for one collective on a buffer of nbytes (the whole S) over n GPUs; `span`:
+    the consecutive ranks the group's members are spread over (a mesh's dp group, tp apart,
+    spans dp x tp: chapter 11), which decides its slowest link (default n)."""
     if n == 1:
         return 0.0
-    alpha, beta = link(n, hw)
+    alpha, beta = link(span or n, hw)
     return MESSAGES[hw.latency][op](n) * alpha + SENT_FRACTION[op](n) * nbytes * beta
 
 
@@ -236,18 +238,25 @@ ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes of autocast's dtype
 
 
 def block_activation_bytes(B: int, T: int, d: int, H: int, precision: str = "fp32",
-                           checkpointed: bool = False) -> int:
-    """Bytes one transformer block saves for backward (see minidist/memory.py)."""
+                           checkpointed: bool = False, tp: int = 1, sequence_parallel: bool = False) -> int:
+    """Bytes one transformer block saves for backward (see minidist/memory.py), on one of
+    `tp` tensor-parallel ranks (chapter 10): the residual stream and the LayerNorms' inputs,
+    statistics and outputs (8d + 2ed + 16 per token) stay whole, the rest splits tp ways;
+    sequence parallelism splits all of it. In fp32 this is tensor_parallel_cost's
+    tp_block_activation_bytes, counted against a run; the 16-bit copies are not counted."""
+    sp = tp if sequence_parallel else 1
     if checkpointed:
-        return 4 * B * T * d
+        return 4 * B * T * d // sp
     e = ELEM[precision]
-    weights = 12 * e * d * d if e < 4 else 0  # autocast's 16-bit weight copies
-    return B * T * (8 * d + 14 * e * d + 4 * H + 16) + weights
+    weights = 12 * e * d * d // tp if e < 4 else 0  # autocast's 16-bit weight copies
+    whole, split = B * T * (8 * d + 2 * e * d + 16), B * T * (12 * e * d + 4 * H)
+    return (whole + split) // tp + weights if sp > 1 else whole + split // tp + weights
 
 
-def head_activation_bytes(B: int, T: int, d: int, V: int, precision: str = "fp32") -> int:
-    """Bytes saved outside the blocks: indices, final LayerNorm, the head, the loss."""
-    e = ELEM[precision]
+def head_activation_bytes(B: int, T: int, d: int, V: int, precision: str = "fp32", tp: int = 1) -> int:
+    """Bytes saved outside the blocks: indices, final LayerNorm, the head, the loss; with
+    tensor parallelism the head and the softmax keep this rank's ceil(V / tp) words only."""
+    e, V = ELEM[precision], -(-V // tp)
     weights = e * V * d if e < 4 else 0  # the head's 16-bit weight copy
     tokens = B * T * (8 + 8 + 4 * d + 8 + e * d + 4 * V)  # idx, targets, ln_f in/stats/out, log-softmax
     return tokens + 8 * T + weights
@@ -265,6 +274,17 @@ def activation_bytes(cfg: GPTConfig, B: int, T: int | None = None, precision: st
 def block_params(cfg: GPTConfig) -> int:
     d, b = cfg.n_embd, int(cfg.bias)
     return 12 * d * d + 2 * d * (1 + b) + (3 + 1 + 4 + 1) * d * b
+
+
+def rank_params(cfg: GPTConfig, tp: int = 1, blocks: int | None = None, first: bool = True,
+                last: bool = True) -> int:
+    """Parameters on one rank: `blocks` blocks (default all) split tp ways (chapter 10's
+    layout, tensor_parallel_cost.param_bytes), the embeddings if it is a pipeline's `first`
+    stage, the final LayerNorm and a copy of the tied head if `last` (chapter 11)."""
+    d, b, V = cfg.n_embd, int(cfg.bias), -(-cfg.vocab_size // tp)
+    block = 12 * d * d // tp + 7 * d * b // tp + 2 * d * b + 2 * d * (1 + b)
+    n = (cfg.n_layer if blocks is None else blocks) * block
+    return n + (V * d if first or last else 0) + cfg.block_size * d * first + d * (1 + b) * last
 
 
 def zero3_gathered_bytes(cfg: GPTConfig) -> float:

@@ -36,8 +36,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # course, so that chapter 08's tables at scale use the same count (one memory model);
 # this module counts and measures what they predict, and models the peak of a step.
 from minidist.cost_model import (ELEM, GB, activation_bytes, block_activation_bytes, block_params,
-                                 head_activation_bytes, model_state_bytes, zero3_gathered_bytes)
-from minidist.model import GPTConfig, config_num_params
+                                 head_activation_bytes, model_state_bytes, rank_params,
+                                 zero3_gathered_bytes)
+from minidist.model import GPTConfig
 
 __all__ = ["ELEM", "GB", "activation_bytes", "block_activation_bytes", "head_activation_bytes",
            "zero3_gathered_bytes", "count_saved_bytes", "step_memory", "LiveBytes", "live_tensors",
@@ -84,40 +85,57 @@ def count_saved_bytes(model, idx, targets, precision: str = "fp32") -> dict:
 # ------------------------------------------------------------------ the step, modelled
 
 def step_memory(cfg: GPTConfig, micro_batch: int, seq_len: int, world: int = 1, stage: int = 0,
-                checkpointed: bool = False, precision: str = "fp32", bucket_cap_mb: float = 25.0) -> dict:
+                checkpointed: bool = False, precision: str = "fp32", bucket_cap_mb: float = 25.0, *,
+                tp: int = 1, sequence_parallel: bool = False, blocks: int | None = None,
+                first: bool = True, last: bool = True, in_flight: int = 1) -> dict:
     """Bytes per rank of one train_gpt step (AdamW, fp32 master weights and gradients,
     autocast at `precision`), by component, and the peak: the larger of two moments,
     the start of backward (every activation alive, the loss's gradient just made) and the
-    end of backward (gradients complete)."""
-    psi = config_num_params(cfg)
-    B, T, d, V = micro_batch, seq_len, cfg.n_embd, cfg.vocab_size
+    end of backward (gradients complete).
+
+    On a dp x tp x pp mesh (chapters 10 and 11; minidist.plan_mesh), `world` is the dp
+    group ZeRO shards over, and the rank holds `tp`'s slice of `blocks` blocks (default
+    all), the embeddings if `first`, the final norm and head if `last` (a pipeline stage
+    unless both), and the activations of `in_flight` micro-batches at once
+    (minidist.pipeline_measure.in_flight_formula; the result's "in_flight" is gradient
+    buffers, as without a mesh). A pipeline stage averages its gradients in one flat buffer
+    after the step (minidist.pipeline_compose): ZeRO 0 or 1 only."""
+    pipelined = not (first and last)
+    if stage == 3 and (tp > 1 or pipelined) or stage == 2 and pipelined:
+        raise ValueError(f"ZeRO-{stage} is not built with tensor or pipeline parallelism")
+    psi = rank_params(cfg, tp, blocks, first, last)
+    B, T, d, V = micro_batch, seq_len, cfg.n_embd, -(-cfg.vocab_size // tp)
     # fp32 parameters (4), gradients (4) and AdamW's two moments (8), sharded per stage
     states = model_state_bytes(psi, world, stage, k=8, p=4, g=4)
     params, grads = 4 * psi / (world if stage >= 3 else 1), 4 * psi / (world if stage >= 2 else 1)
     optim = states - params - grads
     block = 4 * block_params(cfg)
     unit = min(block if stage == 3 else 4 * psi, bucket_cap_mb * 2**20)  # a bucket's gradients
-    if stage == 0:    # DDP's buckets hold the gradients; backward makes fresh ones beside them
-        in_flight = 4 * psi
+    if stage == 0 or pipelined:  # DDP's buckets (or a stage's flat buffer) hold the gradients;
+        in_flight_grads = 4 * psi  # backward makes fresh ones beside them
     elif stage == 3:  # gathered: the root (embeddings, ln_f) and two whole blocks (prefetch);
         # and the gradients of the bucket being reduce-scattered (not validated: see chapter 09)
-        in_flight = zero3_gathered_bytes(cfg) + 2 * unit
+        in_flight_grads = zero3_gathered_bytes(cfg) + 2 * unit
     else:             # full gradients of the unit being reduce-scattered, and its result
-        in_flight = 2 * unit if stage == 2 else 0.0
-    act = activation_bytes(cfg, B, T, precision, checkpointed)
+        in_flight_grads = 2 * unit if stage == 2 else 0.0
+    n = cfg.n_layer if blocks is None else blocks
+    ends = head_activation_bytes(B, T, d, cfg.vocab_size, precision, tp) - 8 * B * T - 8 * T
+    act = in_flight * (n * block_activation_bytes(B, T, d, cfg.n_head, precision, checkpointed, tp,
+                                                  sequence_parallel)
+                       + (8 * B * T + 8 * T if first else 0) + (ends if last else 0))  # indices; the head
     # recomputation: one block's activations, rebuilt during backward, and the gradient
     # of its widest tensor (the MLP's hidden, fp32)
-    recompute = (block_activation_bytes(B, T, d, cfg.n_head, precision) + 16 * B * T * d
-                 if checkpointed else 0)
+    recompute = (block_activation_bytes(B, T, d, cfg.n_head, precision, False, tp, sequence_parallel)
+                 + 16 * B * T * d // tp if checkpointed else 0)
     # the logits (autocast's dtype; train.forward_backward holds them through backward),
     # and, as backward starts, the gradients of the log-softmax's output and of its input
     # (fp32 B T V each), while that output is still saved
-    logits_grad = B * T * V * (ELEM[precision] + 8)
-    start = states + act + logits_grad + (in_flight if stage == 3 else 0)
+    logits_grad = B * T * V * (ELEM[precision] + 8) if last else 0
+    start = states + act + logits_grad + (in_flight_grads if stage == 3 else 0)
     # recomputing the last block: the head's saved log-softmax is gone by then
-    during = states + in_flight + act - 4 * B * T * V + recompute
-    end = states + in_flight + 8 * B * T * d  # gradients complete; the embeddings' last
-    out = dict(params=params, grads=grads, optimizer=optim, in_flight=in_flight,
+    during = states + in_flight_grads + act - 4 * B * T * V * last + recompute
+    end = states + in_flight_grads + 8 * B * T * d  # gradients complete; the embeddings' last
+    out = dict(params=params, grads=grads, optimizer=optim, in_flight=in_flight_grads,
                activations=act, transient=max(logits_grad, recompute),
                peak=max(start, during, end))
     return {k: float(v) for k, v in out.items()}

@@ -1,0 +1,304 @@
+"""The planner on three axes, Chapter 11 (chapters/11_pipeline.md, "Choosing dp x tp x pp"):
+for a model, a world of ranks and a memory budget per rank, the mesh dp x tp x pp, the ZeRO
+stage, the micro-batches, sequence parallelism and recomputation that fit, at the least
+modelled step time. It extends chapter 09's planner (minidist/plan.py, one axis). Exercised by
+
+    python -m minidist.plan_mesh --preset gpt2 --world-size 8 --budget-gb 80
+    pytest tests/test_plan_mesh.py
+
+What is traded against what. Data parallelism copies the whole model (or shards its
+states, ZeRO) and averages gradients once a step; tensor parallelism splits every layer and
+all-reduces activations inside every layer, on the critical path; pipeline parallelism
+splits the layers into stages and passes one activation per micro-batch, at the price of
+the bubble, (p - 1) / (m + p - 1) of the step (Narayanan et al., 2021), and of the first
+stage holding p micro-batches in flight under 1F1B. Recomputation and sequence parallelism
+buy memory with compute and bytes.
+
+A plan: (tp, pp), dp = world / (tp pp); ZeRO stage z; m micro-batches of B = batch / (dp m)
+sequences (the global batch must split over the world, so every mesh is a candidate);
+recomputation on or off; sequence parallelism (tp > 1). Always 1F1B: GPipe has the same
+bubble and holds m micro-batches, never fewer. train_gpt's rules (minidist/flag_checks.py):
+tp divides n_head, pp <= n_layer, ZeRO-2/3 only without a pipeline, ZeRO-3 only without tp.
+
+Memory per rank: chapter 09's model, minidist.memory.step_memory, given the rank's slice of
+the model (tp), its stage's blocks and ends (pipeline.split_layers) and its micro-batches in
+flight (pipeline_measure.in_flight_formula); the activations under tp and sp are Korthikanti
+et al.'s (2022) split, counted for minidist in cost_model.block_activation_bytes. The most
+loaded stage is the first or the last: the first holds at least as many blocks, parameters
+and micro-batches in flight as any middle stage; the last holds the head and the logits.
+
+Price, compared in this order (`Plan.price`):
+1. the modelled step time on cost_model.Hardware (8 H100s a node by default), the slowest
+   stage's: its compute (the step's FLOPs / world, + recomputation's forward), stretched
+   by the bubble; tp's all-reduces (all exposed, as tensor_parallel_cost.tp_step_time);
+   pp's sends, exposed; the gradient sync over dp, hidden behind the last backward as
+   chapter 08's cost model has it without a pipeline (cost_model.exposed_time), exposed with
+   one (a stage averages one flat buffer after the step, minidist.pipeline_compose);
+2. the bubble; 3. bytes sent per rank per step; 4. recomputation; 5. sequence parallelism;
+6. fewer micro-batches; 7. the lower ZeRO stage; 8. fewer stages; 9. less tp.
+Bytes as minidist sends them: fp32 gradients and pipeline activations, tp's activations in
+autocast's dtype. Left out: recomputation repeating tp's forward all-reduces; stages assumed
+equal in time (section 3 of the chapter shows what the head adds).
+
+The search. Within a family (mesh, z, recomputation, sp), once m >= p every stage holds
+p - s micro-batches in flight whatever m, each of B = share / m sequences, and every term of
+step_memory is a constant or grows with B: memory never grows with m. So the m >= p that
+fit are all those from the smallest that fits up, which a binary search finds; the few
+m < p (where the in-flight count, and with it autocast's weight copies, grows with m) are
+each checked. Every m that fits is priced. tests/test_plan_mesh.py checks the result against
+a search of every configuration that weighs every stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, replace
+
+from minidist.cost_model import (ELEM, GB, MESSAGES, MODELS, STRATEGIES, Hardware, collective_time, comm_volume,
+                                 exposed_time, link, rank_params)
+from minidist.memory import step_memory
+from minidist.model import PRESETS, GPTConfig, config_num_params, flops_per_token
+from minidist.pipeline import split_layers
+from minidist.pipeline_measure import bubble_formula, in_flight_formula
+from minidist.plan import PlanError, check_sizes, recompute_flops_fraction
+from minidist.tensor_parallel_cost import comm_bytes as tp_comm_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    dp: int
+    tp: int
+    pp: int
+    zero: int
+    micro: int                # m, micro-batches per step
+    checkpointed: bool
+    sequence_parallel: bool
+    micro_batch: int          # B, sequences per micro-batch
+    peak: float               # bytes, the most loaded rank's
+    step_s: float             # modelled seconds per step
+    bubble: float
+    sent: tuple               # bytes the busiest rank sends per step: (dp, tp, pp)
+
+    def price(self) -> tuple:
+        return (self.step_s, self.bubble, sum(self.sent), self.checkpointed, self.sequence_parallel,
+                self.micro, self.zero, self.pp, self.tp)
+
+    def mesh(self) -> str:
+        return f"dp {self.dp} x tp {self.tp} x pp {self.pp}"
+
+    def describe(self) -> str:
+        mb = f"{self.micro} micro-batch{'es' if self.micro > 1 else ''} of {self.micro_batch}"
+        return ", ".join([self.mesh(), f"ZeRO-{self.zero}", mb] + ["1F1B"] * (self.pp > 1)
+                         + ["sequence parallel"] * self.sequence_parallel
+                         + ["recomputation" if self.checkpointed else "no recomputation"])
+
+
+def meshes(cfg: GPTConfig, world: int) -> list[tuple[int, int, int]]:
+    """(dp, tp, pp) for every split of the world that train_gpt's rules allow."""
+    return [(world // (tp * pp), tp, pp) for tp in range(1, world + 1) if world % tp == 0 and cfg.n_head % tp == 0
+            for pp in range(1, min(world // tp, cfg.n_layer) + 1) if (world // tp) % pp == 0]
+
+
+def zero_stages(tp: int, pp: int) -> tuple[int, ...]:
+    return (0, 1) if pp > 1 else (0, 1, 2) if tp > 1 else (0, 1, 2, 3)
+
+
+def micro_options(batch: int, dp: int) -> list[int]:
+    """Micro-batch counts that split a replica's share of the batch evenly, ascending."""
+    share = batch // dp
+    return [m for m in range(1, share + 1) if share % m == 0]
+
+
+def stage_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, s, precision="bf16", bucket_cap_mb=25.0):
+    """step_memory's peak on stage s of the pipeline (bytes)."""
+    cut = split_layers(cfg.n_layer, pp)[s]
+    return step_memory(cfg, batch // (dp * m), seq_len, dp, zero, ck, precision, bucket_cap_mb, tp=tp,
+                       sequence_parallel=sp, blocks=len(cut), first=s == 0, last=s == pp - 1,
+                       in_flight=in_flight_formula("1f1b", pp, s, m))["peak"]
+
+
+def peak_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision="bf16", bucket_cap_mb=25.0):
+    """The most loaded rank's peak: the first stage's or the last's (see the docstring)."""
+    return max(stage_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, s, precision, bucket_cap_mb)
+               for s in {0, pp - 1})
+
+
+def price(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision="bf16", hw=None, bucket_cap_mb=25.0):
+    """(modelled step seconds, bytes sent (dp, tp, pp)) of the slowest stage; see the docstring."""
+    hw = hw or Hardware()
+    B, T, d, e = batch // (dp * m), seq_len, cfg.n_embd, ELEM[precision]
+    compute = flops_per_token(cfg, T) * B * T / (tp * pp) / (hw.peak_flops * hw.mfu)  # one micro-batch
+    work = compute * (1 + (recompute_flops_fraction(cfg, T) if ck else 0)) * (m + pp - 1)  # the bubble
+    worst = None
+    cuts = split_layers(cfg.n_layer, pp)  # the stages, by what sets their price: blocks and ends
+    for blocks, first, last in {(len(cut), s == 0, s == pp - 1) for s, cut in enumerate(cuts)}:
+        psi = rank_params(cfg, tp, blocks, first, last)
+        # tp: this stage's layers' all-reduces, every micro-batch (the embedding's, the
+        # head's and the loss's counted on every stage: a small over-count in the middle)
+        tp_mb = tp_comm_bytes(replace(cfg, n_layer=blocks), B, T, tp, sp, elem=e)["sent"] if tp > 1 else 0.0
+        alpha, beta = link(tp, hw)
+        tp_s = m * ((4 * blocks + 5) * MESSAGES[hw.latency]["all_reduce"](tp) * alpha + tp_mb * beta)
+        # pp: per micro-batch, one fp32 activation down and one gradient up, per neighbour
+        # (B x T x d, or this rank's T / tp positions under sequence parallelism)
+        sends, message = m * ((not first) + (not last)), 4.0 * B * T * d / (tp if sp else 1)
+        alpha, beta = link(dp * tp * pp, hw)
+        pp_s = sends * (alpha + message * beta)
+        dp_bytes, dp_s = _dp_sync(cfg, psi, dp, tp, pp, zero, m, compute, hw, bucket_cap_mb)
+        here = (work + tp_s + pp_s + dp_s, (dp_bytes, m * tp_mb, sends * message))
+        worst = here if worst is None or (here[0], sum(here[1])) > (worst[0], sum(worst[1])) else worst
+    return worst
+
+
+def _dp_sync(cfg, psi, dp, tp, pp, zero, m, compute, hw, bucket_cap_mb):
+    """(bytes sent, exposed seconds) of one step's gradient sync over the dp group, whose
+    ranks are tp apart: it spans dp x tp consecutive ranks."""
+    size, span, f = 4 * psi, dp * tp, (dp - 1) / dp
+    if pp > 1:  # one flat all-reduce after the step; ZeRO-1 then all-gathers the updated shards
+        t = collective_time("all_reduce", size, dp, hw, span)
+        return (2 + zero) * f * size, t + zero * collective_time("all_gather", size, dp, hw, span)
+    fwd, bwd = compute / 3 * hw.overlap, 2 * compute / 3 * hw.overlap  # the last micro-batch's
+    sent = comm_volume(STRATEGIES[zero], psi, dp, elem_bytes=4, accum=m)  # as plan.comm_bytes
+    if zero == 3:  # a gather per block forward and backward, a reduce-scatter, every micro-batch
+        g, r = (collective_time(op, size / cfg.n_layer, dp, hw, span) for op in ("all_gather", "reduce_scatter"))
+        return sent, m * (exposed_time(g, cfg.n_layer, fwd) + exposed_time(g + r, cfg.n_layer, bwd))
+    k = max(1, math.ceil(size / (bucket_cap_mb * 2**20)))  # buckets, as DDP and ZeRO build them
+    op = "all_reduce" if zero == 0 else "reduce_scatter"
+    c = collective_time(op, size / k, dp, hw, span)
+    hidden = exposed_time(c, k, bwd) * (m if zero == 2 else 1)  # ZeRO-2 reduces every micro-batch
+    return sent, hidden + (k * collective_time("all_gather", size / k, dp, hw, span) if zero else 0)
+
+
+def evaluate(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision="bf16", hw=None,
+             bucket_cap_mb=25.0) -> Plan:
+    step_s, sent = price(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision, hw, bucket_cap_mb)
+    peak = peak_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision, bucket_cap_mb)
+    return Plan(dp, tp, pp, zero, m, ck, sp, batch // (dp * m), peak, step_s, bubble_formula(pp, m), sent)
+
+
+def families(cfg: GPTConfig, seq_len: int, world: int):
+    """Every (dp, tp, pp, zero, recomputation, sp): a plan but for its micro-batches."""
+    for dp, tp, pp in meshes(cfg, world):
+        for zero in zero_stages(tp, pp):
+            for ck in (False, True):
+                for sp in (False, True) if tp > 1 and seq_len % tp == 0 else (False,):
+                    yield dp, tp, pp, zero, ck, sp
+
+
+def best_per_family(cfg, batch, seq_len, world, budget_gb, precision="bf16", hw=None, bucket_cap_mb=25.0):
+    """For every family, its cheapest plan that fits (None where none does)."""
+    check_sizes(batch, seq_len, world, budget_gb)
+    args = (precision, bucket_cap_mb)
+    for dp, tp, pp, zero, ck, sp in families(cfg, seq_len, world):
+        def fits(m):
+            return peak_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, *args) <= budget_gb * GB
+        ms = micro_options(batch, dp)
+        few = [m for m in ms if m < pp]  # in flight: m, so memory may grow with m: each is checked
+        many = [m for m in ms if m >= pp]  # in flight: p - s whatever m: memory falls as m grows
+        lo, hi = 0, len(many)  # binary search for the first that fits
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(many[mid]) else (mid + 1, hi)
+        best = None
+        for m in [m for m in few if fits(m)] + many[lo:]:
+            step_s, sent = price(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision, hw, bucket_cap_mb)
+            key = (step_s, bubble_formula(pp, m), sum(sent), ck, sp, m)
+            best = min(best, (key, m)) if best else (key, m)
+        yield (dp, tp, pp, zero, ck, sp), (evaluate(cfg, batch, seq_len, dp, tp, pp, zero, best[1], ck, sp,
+                                                    precision, hw, bucket_cap_mb) if best else None)
+
+
+def plan_mesh(cfg: GPTConfig, batch: int, seq_len: int, world: int, budget_gb: float, precision: str = "bf16",
+              hw: Hardware | None = None, bucket_cap_mb: float = 25.0) -> tuple[Plan, str]:
+    """The cheapest plan whose most loaded rank fits `budget_gb`, and one line of reasoning."""
+    fits = [c for _, c in best_per_family(cfg, batch, seq_len, world, budget_gb, precision, hw, bucket_cap_mb) if c]
+    if not fits:
+        raise PlanError(_nothing_fits(cfg, batch, seq_len, world, budget_gb, precision, bucket_cap_mb))
+    fits.sort(key=Plan.price)
+    best = fits[0]
+    line = explain(best, budget_gb)
+    other = next((c for c in fits if (c.dp, c.tp, c.pp) != (best.dp, best.tp, best.pp)), None)
+    if other is not None:
+        line += f"; next best mesh: {other.mesh()}, {1e3 * other.step_s:.1f} ms"
+    return best, line
+
+
+def explain(c: Plan, budget_gb: float) -> str:
+    dp, tp, pp = (x / GB for x in c.sent)
+    return (f"{c.describe()}: {c.peak / GB:.1f} of {budget_gb:g} GB per rank, bubble {c.bubble:.2f}, "
+            f"{sum(c.sent) / GB:.2f} GB sent per rank per step (dp {dp:.2f}, tp {tp:.2f}, pp {pp:.2f}), "
+            f"{1e3 * c.step_s:.1f} ms a step modelled")
+
+
+def _nothing_fits(cfg, batch, seq_len, world, budget_gb, precision, bucket_cap_mb) -> str:
+    """Says what the least memory on this world is, and what to change."""
+    least = min((peak_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision, bucket_cap_mb),
+                 (dp, tp, pp, zero, m, ck, sp))
+                for dp, tp, pp, zero, ck, sp in families(cfg, seq_len, world) for m in micro_options(batch, dp))
+    dp, tp, pp, zero, m, ck, sp = least[1]
+    return (f"nothing fits {budget_gb:g} GB per rank on {world} ranks: the least, dp {dp} x tp {tp} x pp {pp}, "
+            f"ZeRO-{zero}, {m} micro-batches of {batch // (dp * m)}{', sequence parallel' if sp else ''}, "
+            f"{'recomputation' if ck else 'no recomputation'}, needs "
+            f"{least[0] / GB:.1f} GB; use more ranks, a shorter --seq-len, a smaller model or a larger --budget-gb")
+
+
+def table(cfg, batch, seq_len, world, budget_gb, precision="bf16", hw=None) -> list[str]:
+    """The best plan of each mesh shape, fastest first; shapes where nothing fits last."""
+    best = {}
+    for (dp, tp, pp, *_), c in best_per_family(cfg, batch, seq_len, world, budget_gb, precision, hw):
+        if c is not None and ((dp, tp, pp) not in best or c.price() < best[dp, tp, pp].price()):
+            best[dp, tp, pp] = c
+    rows = [f"  {'mesh':22s} {'ZeRO':>4s} {'m':>4s} {'B':>4s} {'sp':>3s} {'rc':>3s} {'GB/rank':>8s} "
+            f"{'bubble':>6s} {'GB sent':>8s} {'ms/step':>8s}"]
+    for c in sorted(best.values(), key=Plan.price):
+        yes = ["yes" if on else "no" for on in (c.sequence_parallel, c.checkpointed)]
+        rows.append(f"  {c.mesh():22s} {c.zero:4d} {c.micro:4d} {c.micro_batch:4d} {yes[0]:>3s} {yes[1]:>3s} "
+                    f"{c.peak / GB:8.1f} {c.bubble:6.2f} "
+                    f"{sum(c.sent) / GB:8.2f} {1e3 * c.step_s:8.1f}")
+    for dp, tp, pp in meshes(cfg, world):
+        if (dp, tp, pp) not in best:
+            rows.append(f"  {f'dp {dp} x tp {tp} x pp {pp}':22s} nothing fits {budget_gb:g} GB")
+    return rows
+
+
+def main(argv=None) -> None:
+    models = {**{k: GPTConfig(**v) for k, v in PRESETS.items()}, **MODELS}
+    p = argparse.ArgumentParser(description="dp x tp x pp, ZeRO, micro-batches and recomputation "
+                                "for a memory budget (chapter 11's planner).")
+    p.add_argument("--preset", default="gpt2", help=f"one of {', '.join(models)}")
+    p.add_argument("--world-size", type=int, default=8)
+    p.add_argument("--budget-gb", type=float, default=80.0, help="per rank")
+    p.add_argument("--batch-size", type=int, default=None, help="global, in sequences (default 8 per rank)")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--gpus-per-node", type=int, default=8, help="ranks joined by the fast links")
+    a = p.parse_args(argv)
+    if a.preset not in models:
+        p.error(f"argument --preset: unknown model {a.preset!r}: one of {', '.join(models)}")
+    for flag, v in (("--world-size", a.world_size), ("--seq-len", a.seq_len), ("--gpus-per-node", a.gpus_per_node),
+                    ("--batch-size", a.batch_size)):
+        if v is not None and v < 1:
+            p.error(f"argument {flag}: must be an integer >= 1, got {v}: give a positive count")
+    if not (math.isfinite(a.budget_gb) and a.budget_gb > 0):
+        p.error(f"argument --budget-gb: must be a finite number > 0, got {a.budget_gb}: give the GB each rank may use")
+    cfg, batch = models[a.preset], a.batch_size or 8 * a.world_size
+    cfg = replace(cfg, block_size=max(cfg.block_size, a.seq_len))
+    try:
+        check_sizes(batch, a.seq_len, a.world_size, a.budget_gb)
+    except PlanError as e:
+        p.error(f"--batch-size/--world-size: {e}")
+    hw = Hardware(gpus_per_node=a.gpus_per_node)
+    print(f"{a.preset}: {config_num_params(cfg) / 1e6:.0f}M parameters, {cfg.n_layer} layers, {cfg.n_head} heads; "
+          f"{a.world_size} ranks, {a.gpus_per_node} per node; batch {batch} x {a.seq_len}, {a.precision}; "
+          f"budget {a.budget_gb:g} GB per rank")
+    try:
+        print("  plan: " + plan_mesh(cfg, batch, a.seq_len, a.world_size, a.budget_gb, a.precision, hw)[1])
+    except PlanError as e:
+        print(f"  plan: {e}")
+    print("the best plan of each mesh shape (m micro-batches of B sequences, sp: sequence parallel, "
+          "rc: recomputation; GB/rank: the most loaded rank's peak; GB sent: the busiest rank's, per step):")
+    print("\n".join(table(cfg, batch, a.seq_len, a.world_size, a.budget_gb, a.precision, hw)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Chapter 11's planner (minidist/plan_mesh.py): its choice equals a search of every
+configuration that weighs every pipeline stage; its memory and price are the course's
+formulas (chapters 08-11) on one rank of the mesh; its command line says what to change."""
+
+import itertools
+
+import pytest
+
+from minidist import plan_mesh as PM
+from minidist.cost_model import Hardware, block_activation_bytes, rank_params, step_time
+from minidist.memory import GB, step_memory
+from minidist.model import PRESETS, GPTConfig, config_num_params
+from minidist.pipeline import split_layers
+from minidist.pipeline_measure import stage_activation_bytes
+from minidist.plan import PlanError
+from minidist.tensor_parallel_cost import param_bytes, tp_block_activation_bytes
+
+
+def _brute_force(cfg, batch, T, world, budget_gb, precision="bf16"):
+    """Every (tp, pp, ZeRO, recomputation, sp, m) that train_gpt's rules allow, written out
+    here, each stage of its pipeline weighed: the cheapest that fits (its price tuple).
+    A configuration's memory is weighed only if its price could win (the answer is the same)."""
+    L, best = cfg.n_layer, None
+    for tp, pp in itertools.product(range(1, world + 1), repeat=2):
+        if world % (tp * pp) or cfg.n_head % tp or pp > L:
+            continue
+        dp = world // (tp * pp)
+        for zero, ck, sp, m in itertools.product(range(4), (False, True), (False, True), range(1, batch + 1)):
+            if (batch // dp) % m or (pp > 1 and zero > 1) or (tp > 1 and zero == 3) or (sp and (tp == 1 or T % tp)):
+                continue
+            step_s, sent = PM.price(cfg, batch, T, dp, tp, pp, zero, m, ck, sp, precision)
+            key = (step_s, (pp - 1) / (m + pp - 1), sum(sent), ck, sp, m, zero, pp, tp)
+            if best is not None and key >= best:
+                continue
+            peak = max(step_memory(cfg, batch // (dp * m), T, dp, zero, ck, precision, tp=tp, sequence_parallel=sp,
+                                   blocks=L // pp + (s < L % pp), first=s == 0, last=s == pp - 1,
+                                   in_flight=min(pp - s, m))["peak"] for s in range(pp))
+            if peak <= budget_gb * GB:
+                best = key
+    return best
+
+
+# (preset, sequence length, sequences per rank, budgets in GB): budgets from "nothing fits"
+# to "plain data parallelism fits", so that every axis, ZeRO stage and switch gets chosen
+GRID = [("gpt2", 1024, 4, (1, 3), range(1, 17)),
+        ("gpt3-1.3b", 1024, 2, (8, 24), range(1, 17)),
+        ("gpt2-medium", 1024, 2, (2, 6), (3, 6, 12, 16)),
+        ("small", 256, 8, (0.05, 0.2), (2, 4, 8, 12)),
+        ("gpt3-6.7b", 1024, 1, (20, 80), (4, 8, 16))]
+CASES = [(name, T, per * w, w, b) for name, T, per, budgets, worlds in GRID for w in worlds for b in budgets]
+
+
+@pytest.mark.parametrize("name, T, batch, world, budget", CASES)
+def test_plan_equals_brute_force(name, T, batch, world, budget):
+    cfg = GPTConfig(**PRESETS[name])
+    want = _brute_force(cfg, batch, T, world, budget)
+    if want is None:
+        with pytest.raises(PlanError, match="nothing fits"):
+            PM.plan_mesh(cfg, batch, T, world, budget)
+        return
+    got, line = PM.plan_mesh(cfg, batch, T, world, budget)
+    assert got.price() == want
+    assert got.peak <= budget * GB and f"of {budget:g} GB per rank" in line and "GB sent per rank per step" in line
+
+
+# Cases of the grid where the plan uses each axis, stage and switch (or nothing fits), so
+# that the comparison above means something
+SHOWCASE = [("gpt3-1.3b", 1024, 2, 1, 8), ("gpt2", 1024, 44, 11, 3), ("gpt3-1.3b", 1024, 2, 1, 24),
+            ("gpt3-1.3b", 1024, 8, 4, 8), ("gpt2", 1024, 12, 3, 1), ("gpt3-1.3b", 1024, 20, 10, 8),
+            ("gpt2-medium", 1024, 12, 6, 2), ("gpt2-medium", 1024, 6, 3, 6)]
+
+
+def test_the_grid_chooses_every_axis():
+    seen = set()
+    for name, T, batch, world, budget in SHOWCASE:
+        assert (name, T, batch, world, budget) in CASES
+        try:
+            c = PM.plan_mesh(GPTConfig(**PRESETS[name]), batch, T, world, budget)[0]
+        except PlanError:
+            seen.add("none")
+            continue
+        seen |= {f"zero{c.zero}"} | {k for k, on in (("tp", c.tp > 1 and c.pp == 1), ("pp", c.pp > 1 and c.tp == 1),
+                                                      ("tp+pp", c.tp > 1 and c.pp > 1), ("rc", c.checkpointed),
+                                                      ("sp", c.sequence_parallel)) if on}
+    assert seen == {"none", "zero0", "zero1", "zero2", "zero3", "tp", "pp", "tp+pp", "rc", "sp"}, seen
+
+
+PRESET_CFGS = [GPTConfig(**PRESETS[n]) for n in ("tiny", "gpt2", "gpt2-xl", "gpt3-1.3b")]
+
+
+@pytest.mark.parametrize("cfg", PRESET_CFGS, ids=lambda c: f"L{c.n_layer}d{c.n_embd}")
+def test_rank_memory_is_chapters_10_and_11s(cfg):
+    """The pieces step_memory adds for a mesh are the formulas counted against real runs:
+    chapter 10's parameters and fp32 activations per tp rank, chapter 11's per stage."""
+    d, H, B, T = cfg.n_embd, cfg.n_head, 2, 64
+    for tp in (t for t in (1, 2, 4, 5, 8) if H % t == 0):
+        assert 4 * rank_params(cfg, tp) == param_bytes(cfg, tp, 0)
+        for sp in (False, True):
+            ours = block_activation_bytes(B, T, d, H, "fp32", False, tp, sp)
+            assert ours == tp_block_activation_bytes(B, T, d, H, tp, sp)
+    assert rank_params(cfg) == config_num_params(cfg)
+    for pp in (2, 3, 4):
+        cuts = [len(r) for r in split_layers(cfg.n_layer, pp)]
+        stages = [rank_params(cfg, 1, n, s == 0, s == pp - 1) for s, n in enumerate(cuts)]
+        assert sum(stages) == config_num_params(cfg) + cfg.vocab_size * d  # the tied copy, twice
+        for s, n in enumerate(cuts):
+            for m in (1, 2, 8):
+                held = min(pp - s, m)
+                got = step_memory(cfg, B, T, 1, 0, blocks=n, first=s == 0, last=s == pp - 1, in_flight=held)
+                # chapter 11's count, exact, less the loss's one 4-byte total weight
+                want = held * (stage_activation_bytes(cfg, B, T, n, s == 0, s == pp - 1) - 4 * (s == pp - 1))
+                assert got["activations"] == want
+
+
+def test_data_parallel_price_is_chapter_08s():
+    """Without tp and pp, one micro-batch: the planner's step time is cost_model.step_time's
+    (fp32 gradients on the wire, as minidist sends them), and so are its bytes."""
+    cfg, hw = GPTConfig(**PRESETS["gpt2"]), Hardware()
+    for n, zero, B in itertools.product((2, 8, 16), range(4), (1, 8)):
+        step_s, sent = PM.price(cfg, n * B, 1024, n, 1, 1, zero, 1, False, False)
+        want = step_time(cfg, ("dp", "zero1", "zero2", "zero3")[zero], n, hw, B, 1024, elem_bytes=4)
+        assert step_s == pytest.approx(want["step_s"], rel=1e-12)
+        assert sent[0] == pytest.approx(want["bytes_sent"], rel=1e-12) and sent[1:] == (0, 0)
+
+
+def test_memory_falls_with_micro_batches_once_the_pipe_is_full():
+    """What the search relies on: from m = p on, more micro-batches never need more memory
+    (every stage keeps p - s in flight, each smaller); and no middle stage needs more than
+    the first."""
+    cfg = GPTConfig(**PRESETS["gpt2"])
+    for pp, tp, ck, sp in itertools.product((1, 2, 3, 4, 6), (1, 2), (False, True), (False, True)):
+        ms = (1, 2, 3, 4, 6, 8, 12, 24, 48, 96)
+        steady = [PM.peak_memory(cfg, 96, 1024, 1, tp, pp, 0, m, ck, sp and tp > 1) for m in ms if m >= pp]
+        assert steady == sorted(steady, reverse=True)
+        for m in (1, 4, 12):
+            ends = PM.peak_memory(cfg, 96, 1024, 1, tp, pp, 0, m, ck, sp and tp > 1)
+            assert all(PM.stage_memory(cfg, 96, 1024, 1, tp, pp, 0, m, ck, sp and tp > 1, s) <= ends for s in range(pp))
+
+
+def test_more_memory_never_slower():
+    cfg = GPTConfig(**PRESETS["gpt3-1.3b"])
+    times = [PM.plan_mesh(cfg, 32, 1024, 16, b)[0].step_s for b in (6, 10, 20, 40, 80)]
+    assert times == sorted(times, reverse=True) and times[0] > times[-1]
+
+
+def test_nothing_fits_says_what_to_change():
+    with pytest.raises(PlanError) as e:
+        PM.plan_mesh(GPTConfig(**PRESETS["gpt3-6.7b"]), 2, 1024, 2, 20)
+    assert "nothing fits 20 GB per rank on 2 ranks" in str(e.value) and "needs" in str(e.value)
+    assert "use more ranks" in str(e.value)
+
+
+def test_cli_prints_the_choice_and_a_table(capsys):
+    PM.main(["--preset", "gpt2", "--world-size", "8", "--budget-gb", "80"])
+    out = capsys.readouterr().out
+    assert "plan: dp " in out and "ms a step modelled" in out
+    assert out.count(" x pp ") >= 1 + len(PM.meshes(GPTConfig(**PRESETS["gpt2"]), 8))  # the plan + one row per shape
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--world-size", "0"], "argument --world-size: must be an integer >= 1"),
+    (["--world-size", "two"], "argument --world-size: invalid int value"),
+    (["--budget-gb", "-80"], "argument --budget-gb: must be a finite number > 0"),
+    (["--budget-gb", "nan"], "argument --budget-gb: must be a finite number > 0"),
+    (["--batch-size", "0"], "argument --batch-size: must be an integer >= 1"),
+    (["--batch-size", "12", "--world-size", "8"], "does not divide over 8 ranks: use a multiple of 8"),
+    (["--preset", "gpt5"], "unknown model 'gpt5'"),
+])
+def test_bad_arguments_say_what_to_change(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        PM.main(argv)
+    captured = capsys.readouterr()
+    assert e.value.code == 2 and says in captured.err and not captured.out, captured.err
