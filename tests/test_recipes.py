@@ -1,12 +1,19 @@
 """--config FILE (chapter 11): every recipe in recipes/ parses and passes resolve_args at the
-world size it is written for, without running; the command line overrides a file; a bad
-key or value exits 2 naming it."""
+world size it is written for, without running, and fits the memory of the machine it names
+by the planner's model (minidist.plan_mesh.peak_memory: an 80 GB GPU less the planner's
+margin, or the CPU budget); the command line overrides a file; a bad key or value exits 2
+naming it."""
 
 from pathlib import Path
 
 import pytest
 
+from minidist.data import get_tokenizer
 from minidist.flags import parse_args, resolve_args
+from minidist.memory import GB
+from minidist.model import PRESETS, GPTConfig
+from minidist.plan import CPU_BUDGET_GB, GPU_MARGIN
+from minidist.plan_mesh import peak_memory
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 WORLD = {"cpu_default.toml": 2, "gpt2_124m_8gpu_zero1.toml": 8, "tp2_pp2_4gpu.toml": 4}
@@ -29,6 +36,17 @@ def test_recipe_resolves(name, tmp_path, monkeypatch):
             (2, True, 2, "1f1b", 8)
     if name.startswith("gpt2"):
         assert (args.preset, args.zero_stage, args.batch_size, args.precision) == ("gpt2", 1, 512, "bf16")
+    # it plans: the configuration fits its machine's memory per rank (the recipe's device, read again)
+    device = parse_args(["--config", str(RECIPES / name)]).device
+    cfg = GPTConfig(**{**PRESETS[args.preset], "block_size": args.seq_len,
+                       "vocab_size": get_tokenizer(args.tokenizer).n_vocab,
+                       **{k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd")}})
+    dp = WORLD[name] // (args.tp * args.pp)
+    peak = peak_memory(cfg, args.batch_size, args.seq_len, dp, args.tp, args.pp, args.zero_stage,
+                       args.grad_accum_steps, args.activation_checkpointing == "blocks",
+                       args.sequence_parallel, args.precision)
+    budget = 80 * GB * (1 - GPU_MARGIN) if device == "cuda" else CPU_BUDGET_GB * GB
+    assert 0 < peak <= budget, f"{name}: {peak / GB:.1f} GB per rank, over {budget / GB:.1f}"
 
 
 def test_command_line_overrides_the_file(tmp_path):
