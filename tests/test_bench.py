@@ -140,4 +140,9 @@ def test_pp_benchmark_quick(tmp_path):
             assert st["saved_per_mb"] == st["saved_per_mb_formula"] > 0
             assert st["peak_saved"] == st["peak_saved_formula"] == k * st["saved_per_mb"]
     assert result["memory_counts_equal_formulas"] is True
+    # torch.distributed.pipelining's schedules on the same stages: the same gradients, exactly
+    # (the same modules and arithmetic; only who calls them differs), and both timed
+    assert {(r["schedule"], r["m"]) for r in result["versus_torch"]} == {("gpipe", 2), ("1f1b", 2)}
+    for r in result["versus_torch"]:
+        assert r["max_grad_diff"] <= 1e-6 and r["ours_s"] > 0 and r["torch_s"] > 0
     assert (tmp_path / "pp.png").read_bytes()[:4] == b"\x89PNG"

@@ -18,7 +18,8 @@ prints a table and writes NAME.json and NAME.png into --out:
                  MLP vs torch's DTensor plans
     pp           chapter 11: the pipeline bubble measured from recorded timelines vs
                  (p-1)/(m+p-1) at p 2 and 4, m 1..16; in-flight activations counted vs
-                 the formulas, GPipe and 1F1B
+                 the formulas, GPipe and 1F1B; both against torch.distributed.pipelining's
+                 schedules on the same stages (gradients, step time)
     scale        chapter 08: minidist.cost_model from 8 to 1024 GPUs (no processes)
     checksums    chapter 08: checkpoint save and load with and without their CRC-32s
     all          every one above, then report.md (minidist/bench/report.py); exit status 1

@@ -30,6 +30,12 @@ the measured bubble, still come out near the formula, but the idle is not idle h
 stage that waits for a message sleeps in gloo and its core runs another stage's work. The
 step takes about twice as long as with a core per stage. With one device per stage (a GPU
 each), the bubble is the device's idle time, as the formula means it.
+
+Against torch. torch.distributed.pipelining runs the same stages (the same modules, cut
+the same way) under its own ScheduleGPipe and Schedule1F1B: per schedule and m, one step
+of each from the same weights must give the same gradients (max |difference| printed),
+and then the two take turns, step for step, timed (bench/timing.py): the ratio torch's
+time / ours, > 1 where minidist's step is faster.
 """
 
 from __future__ import annotations
@@ -41,7 +47,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from minidist.bench.timing import interleaved
 from minidist.launch import launch
 from minidist.model import GPT, GPTConfig
 from minidist.pipeline import Stage, pipeline_step, split_layers
@@ -50,9 +60,9 @@ from minidist.pipeline_measure import (StepRecord, bubble_fraction, bubble_formu
 
 SCHEDULES = ("gpipe", "1f1b")
 FULL = dict(cfg=dict(n_layer=4, n_head=4, n_embd=256, block_size=128, vocab_size=256), batch=8,
-            ps=(2, 4), ms=tuple(range(1, 17)), repeats=3)
+            ps=(2, 4), ms=tuple(range(1, 17)), repeats=3, torch_ms=(4, 8), torch_rounds=5)
 QUICK = dict(cfg=dict(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=128), batch=2,
-             ps=(2,), ms=(1, 2, 4), repeats=1)
+             ps=(2,), ms=(1, 2, 4), repeats=1, torch_ms=(2,), torch_rounds=1)
 
 
 def _rank_device() -> torch.device:
@@ -92,6 +102,65 @@ def _sweep(cfg: dict, B: int, ms, repeats: int) -> dict | None:
                 runs.append(every)
             out[sched, m] = runs
     return out if dist.get_rank() == 0 else None
+
+
+class TorchStageModule(nn.Module):
+    """A minidist Stage as torch.distributed.pipelining wants a stage's module: forward(x)
+    only, the last stage returning the logits for the schedule's loss_fn."""
+
+    def __init__(self, stage: Stage):
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, x):
+        s = self.stage
+        x = s.embed(x) if s.is_first else x
+        for block in s.blocks.values():
+            x = block(x)
+        return s.head(x)[0] if s.is_last else x
+
+
+def _versus_torch(cfg: dict, B: int, ms, rounds: int) -> list | None:
+    """On every stage: per schedule and m, the largest gradient difference after one step of
+    ours and one of torch's from the same weights, then both timed in turns; rank 0 gets
+    every stage's (difference, our median s, torch's median s)."""
+    dev, p, rank = _rank_device(), dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    full = GPT(GPTConfig(**cfg)).to(dev)
+    ours, theirs = Stage(full, None), Stage(full, None)  # two copies of the same weights
+    g = torch.Generator().manual_seed(2)
+    T, V = cfg["block_size"], cfg["vocab_size"]
+    mbs = [(torch.randint(0, V, (B, T), generator=g).to(dev), torch.randint(0, V, (B, T), generator=g).to(dev))
+           for _ in range(max(ms))]
+    rows = []
+    for sched in SCHEDULES:
+        for m in ms:
+            x, y = torch.cat([a for a, _ in mbs[:m]]), torch.cat([b for _, b in mbs[:m]])
+            count = float((y != -1).sum())  # normalised as pipeline_step normalises its loss
+
+            def loss_fn(logits, target):
+                return F.cross_entropy(logits.float().flatten(0, 1), target.reshape(-1), ignore_index=-1,
+                                       reduction="sum") / count
+            kind = ScheduleGPipe if sched == "gpipe" else Schedule1F1B
+            schedule = kind(PipelineStage(TorchStageModule(theirs), rank, p, dev), m, loss_fn=loss_fn,
+                            scale_grads=False)
+
+            def mine():
+                ours.zero_grad(set_to_none=True)
+                pipeline_step(ours, mbs[:m], sched)
+
+            def torchs():
+                theirs.zero_grad(set_to_none=True)
+                schedule.step(*([x] if theirs.is_first else []), **({"target": y} if theirs.is_last else {}))
+                theirs.allreduce_tied_grads()  # (not the schedule's: the same swap as ours)
+            mine(), torchs()
+            diff = max((a.grad - b.grad).abs().max().item() for a, b in zip(ours.parameters(), theirs.parameters()))
+            t = interleaved({"ours": mine, "torch": torchs}, rounds, before=lambda _: dist.barrier())
+            every = [None] * p
+            dist.all_gather_object(every, (diff, t["ours"].median, t["torch"].median))
+            rows.append(dict(p=p, schedule=sched, m=m, max_grad_diff=max(e[0] for e in every),
+                             ours_s=max(e[1] for e in every), torch_s=max(e[2] for e in every)))
+    return rows if rank == 0 else None
 
 
 def _point(cfg: GPTConfig, B: int, p: int, m: int, sched: str, runs) -> dict:
@@ -160,6 +229,16 @@ def run(args) -> dict:
           f"{'==' if exact else '!='} formula")
     print("(bubble: 1 - forward and backward time / (p x step time), from the recorded timelines; "
           "on core: the stages' process CPU seconds / (p x step time), at most cores / p)")
+    result["versus_torch"] = []
+    print("\nagainst torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B) on the same stages: "
+          "max |gradient difference|, median step (slowest stage), torch / ours")
+    for p in size["ps"]:
+        rows = launch(_versus_torch, p, cfg, B, size["torch_ms"], size["torch_rounds"], timeout_s=1800)[0]
+        result["versus_torch"] += rows
+        for r in rows:
+            print(f"  p {p} {r['schedule']:>5} m {r['m']:2d}: gradients differ by {r['max_grad_diff']:.1e} | "
+                  f"ours {1e3 * r['ours_s']:7.1f} ms, torch {1e3 * r['torch_s']:7.1f} ms, "
+                  f"torch / ours {r['torch_s'] / r['ours_s']:.2f}")
     _plot(result, Path(args.out) / "pp.png")
     return result
 
