@@ -23,9 +23,10 @@ A tuple (a, b, c) is accepted too, as torch.optim.Muon's `ns_coefficients`.
 
 from __future__ import annotations
 
-import time
+import statistics
 
 import torch
+from torch.utils.benchmark import Timer
 
 JORDAN = (3.4445, -4.7750, 2.0315)
 NS_COEFFICIENTS = JORDAN  # the name chapter 07 and the exercise use for the default
@@ -114,18 +115,18 @@ def singular_value_band(shapes, coefficients="jordan", steps: int = 5, seed: int
 
 def time_batched(shapes, repeats: int = 15, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> dict:
     """Median seconds to orthogonalise one matrix of each shape, one by one and batched by
-    shape (the work of one Muon step), for the benchmark."""
+    shape (the work of one Muon step), for the benchmark: torch.utils.benchmark's Timer,
+    the two taking turns `repeats` times, so that a noisy moment hurts both alike."""
     g = torch.Generator().manual_seed(seed)
     Ms = [torch.randn(*s, generator=g) for s in shapes]
     runs = {"per_matrix": lambda: [newton_schulz(M, 5, dtype) for M in Ms],
             "batched": lambda: newton_schulz_many(Ms, 5, dtype)}
+    timers = {k: Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()) for k, fn in runs.items()}
     times = {k: [] for k in runs}
-    for _ in range(repeats):  # interleaved, so that a noisy moment hurts both alike
-        for k, fn in runs.items():
-            t = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t)
-    med = {f"{k}_s": sorted(v)[len(v) // 2] for k, v in times.items()}
+    for _ in range(repeats):
+        for k, t in timers.items():
+            times[k].append(t.timeit(1).median)  # (each block after Timer's own warm-up calls)
+    med = {f"{k}_s": statistics.median(v) for k, v in times.items()}
     return {**med, "speedup": med["per_matrix_s"] / med["batched_s"]}
 
 

@@ -30,10 +30,10 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
+from torch.utils.benchmark import timer as clock  # waits for the GPU's queue
 
 from minidist.cost_model import MODELS, STRATEGIES, comm_volume
 from minidist.memory import GB, step_memory
@@ -189,18 +189,18 @@ def recompute_flops_fraction(cfg: GPTConfig, seq_len: int) -> float:
 def measure_recompute(cfg: GPTConfig, micro_batch: int, seq_len: int, repeats: int = 7) -> tuple[float, float]:
     """Seconds of forward + backward without and with recomputation on this machine's CPU
     (or GPU), the median of `repeats` interleaved pairs (interleaved: a busy machine slows
-    both alike)."""
+    both alike), after one warm-up pair. The clock is torch.utils.benchmark's, which waits
+    for the GPU's queued work; not its Timer, whose two warm-up calls before every timed
+    block would triple a run of steps that take seconds each on a CPU."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = GPT(cfg).to(device)
     idx = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), device=device)
 
     def step(on: bool) -> float:
         set_activation_checkpointing(model, on)
-        torch.cuda.synchronize() if device.type == "cuda" else None
-        t = time.perf_counter()
+        t = clock()
         model(idx, idx)[1].backward()
-        torch.cuda.synchronize() if device.type == "cuda" else None
-        return time.perf_counter() - t
+        return clock() - t
 
     step(False), step(True)  # warm up both paths
     pairs = [(step(False), step(True)) for _ in range(repeats)]
