@@ -43,8 +43,7 @@ import torch
 
 from minidist.checkpoint_schema import (FORMAT, MARKER, MAX_META_BYTES, SHARD_NAME,  # noqa: F401
                                         checkpoint_step, coverage_problem, meta_problem, seal,
-                                        shard_name, shard_problem, shorten, written_by_minidist)
-from minidist.metrics import to_json
+                                        shard_name, shard_problem, shorten, written_by_minidist, to_json)
 
 
 class CheckpointError(ValueError):

@@ -36,7 +36,24 @@ from pathlib import Path
 
 import torch
 
-from minidist.metrics import to_json
+# ---- strict JSON: meta.json here, and a run's metrics.jsonl and summary.json (minidist.metrics)
+
+def finite_or_none(obj):
+    """obj with every NaN or infinity replaced by None, in nested dicts and lists: JSON
+    has no NaN, and strict parsers reject Python's "NaN" extension."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_none(v) for v in obj]
+    return obj
+
+
+def to_json(obj, **kwargs) -> str:
+    """Strict JSON: non-finite numbers as null (allow_nan=False proves none is left)."""
+    return json.dumps(finite_or_none(obj), allow_nan=False, **kwargs)
+
 
 FORMAT = 3
 MARKER = "minidist checkpoint"  # meta.json's "kind": how rotation knows a folder is minidist's

@@ -16,7 +16,6 @@ is an empirical ceiling, not a datasheet one, and the log says so.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import resource
@@ -27,6 +26,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from minidist.checkpoint_schema import finite_or_none, to_json  # noqa: F401 (metrics.to_json)
 
 
 # Dense peak TFLOP/s from the vendors' datasheets (SXM parts), by precision of the matmul.
@@ -119,22 +120,8 @@ def plot_losses(rows, path) -> None:
 
 # ---- what a run writes: strict JSON, as it goes ------------------------------------
 
-def finite_or_none(obj):
-    """obj with every NaN or infinity replaced by None, in nested dicts and lists: JSON
-    has no NaN, and strict parsers reject Python's "NaN" extension."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: finite_or_none(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [finite_or_none(v) for v in obj]
-    return obj
-
-
-def to_json(obj, **kwargs) -> str:
-    """Strict JSON: non-finite numbers as null (allow_nan=False proves none is left)."""
-    return json.dumps(finite_or_none(obj), allow_nan=False, **kwargs)
-
+# (strict JSON, to_json and finite_or_none: checkpoint_schema's, where meta.json is written
+# too; imported here for the run's files)
 
 OUTPUT_FILES = ("metrics.jsonl", "summary.json", "loss.png", "run.lock")
 
