@@ -34,10 +34,12 @@ TP = {"tp-2": ["--tp", "2"], "tp-2-sp-zero-1": ["--tp", "2", "--sequence-paralle
 # pp 2 alone, 1F1B over 4 micro-batches; dp 2 x pp 2, GPipe over 2 micro-batches, ZeRO-1 over
 # the dp ranks (Muon's owners within each stage's dp group), gradient clipping's norm over both stages;
 # tp 2 x pp 2 with sequence parallelism, 1F1B over 2 micro-batches (the stages cut from each
-# rank's tensor-parallel shard; Muon orthogonalising whole matrices gathered over tp)
+# rank's tensor-parallel shard; Muon orthogonalising whole matrices gathered over tp), every
+# stage's blocks recomputed in backward (chapter 09)
 PP = {"pp-2-1f1b": ["--pp", "2", "--pp-schedule", "1f1b"],
       "pp-2-gpipe-dp-2": ["--pp", "2", "--pp-schedule", "gpipe", "--zero-stage", "1", "--grad-clip", "0.05"],
-      "tp-2-pp-2-sp": ["--tp", "2", "--pp", "2", "--sequence-parallel", "--pp-schedule", "1f1b"]}
+      "tp-2-pp-2-sp": ["--tp", "2", "--pp", "2", "--sequence-parallel", "--pp-schedule", "1f1b",
+                       "--activation-checkpointing", "blocks"]}
 
 
 @pytest.mark.parametrize("dp, world, accum", [("naive", 2, 1), ("flat", 2, 2), ("bucketed", 2, 1),
