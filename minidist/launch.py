@@ -9,6 +9,12 @@ joins them); launch does torchrun's job inside one Python call: it starts the pr
 sets up the group, runs `fn(*args)` in each and returns the values, or re-raises the
 first failure with its rank.
 
+The backend follows where the launched function's tensors live, which only the caller
+knows: gloo and CPU tensors unless the caller asks for a GPU run (device="cuda", or
+backend="nccl"; device="auto" takes the GPUs when every rank can have its own). A demo,
+grader or test that builds CPU tensors therefore runs unchanged on a machine with GPUs,
+where NCCL would reject them.
+
 minidist/pool.py keeps such processes alive across many calls (the test suite and the
 exercise grader use it); the pieces it shares with launch are the helpers below.
 """
@@ -150,11 +156,28 @@ def _reraise(rank: int, world_size: int, info):
 
 
 def _backend(world_size, backend, device):
+    """(backend, device type) of a launch or a Pool.
+
+    Nothing asked for: gloo on CPU, whatever GPUs the machine has, because the caller's
+    tensors are CPU tensors unless it says otherwise (NCCL takes only CUDA tensors).
+    device="cuda" or backend="nccl": NCCL, one GPU per rank. device="auto": NCCL when every
+    rank can have its own GPU (or MINIDIST_DEVICE says so), else gloo; for a function
+    that puts its tensors on the device its backend implies."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if backend is None:
-        return pick_backend(world_size, device)
-    return backend, ("cuda" if backend == "nccl" else "cpu")
+    if backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if device not in (None, "cpu", "cuda", "auto"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
+    if backend is not None:
+        implied = "cuda" if backend == "nccl" else "cpu"
+        if device not in (None, "auto", implied):
+            raise ValueError(f"backend={backend!r} takes {implied} tensors, not {device}: "
+                             f"drop one of backend= and device=")
+        device = implied
+    if device is None:
+        device = "cpu"
+    return pick_backend(world_size, None if device == "auto" else device)
 
 
 def _context():
@@ -257,6 +280,11 @@ def launch(fn, world_size: int, *args, backend: str | None = None, device: str |
     to finish, then are stopped. `fn` may be defined in a notebook (see _dumps). Output
     printed by the children goes to the terminal that started Python, which in Jupyter is
     not the notebook: return what you want to show.
+
+    The processes use gloo, for CPU tensors, unless a GPU run is asked for: device="cuda"
+    or backend="nccl" (NCCL, rank r on GPU r), or device="auto" (NCCL when every rank can
+    have its own GPU, else gloo; the function then puts its tensors on the device its
+    backend implies, e.g. cuda when dist.get_backend() == "nccl").
 
     `timeout_s` bounds each collective (and the rendezvous); `deadline_s`, if given, bounds
     the whole call: past it the processes are stopped and LaunchError says so (a loop that

@@ -9,11 +9,14 @@ notebooks at their quick size, write nothing.
 
 from __future__ import annotations
 
+import io
 import os
 import pathlib
 
+from PIL import Image  # matplotlib's own dependency
+
 FIGURES = pathlib.Path(__file__).resolve().parent.parent / "chapters" / "figures"
-DPI = 90  # readable on a page, well under 200 kB per image
+DPI = 120  # sharp on a page (at least 110), under 200 kB per image
 
 
 def save_figure(fig, name: str) -> None:
@@ -22,4 +25,9 @@ def save_figure(fig, name: str) -> None:
         raise ValueError(f"figure names end in .png, got {name!r}")
     if os.environ.get("MINIDIST_FIGURES") == "1":
         FIGURES.mkdir(parents=True, exist_ok=True)
-        fig.savefig(FIGURES / name, dpi=DPI, bbox_inches="tight")
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
+        # a plot has few colours: a 256-colour palette looks the same at a third of the bytes
+        image = Image.open(buf).convert("RGB").quantize(256, method=Image.Quantize.MEDIANCUT,
+                                                        dither=Image.Dither.NONE)
+        image.save(FIGURES / name, format="PNG", optimize=True, dpi=(DPI, DPI))

@@ -7,14 +7,18 @@
 Each notebook runs top to bottom (kernel python3, working directory notebooks/) with
 MINIDIST_FIGURES=1, so notebooks/nbfigures.save_figure writes the chapters' figures, and
 without MINIDIST_NB_SIZE / MINIDIST_QUICK, so the "parameters" cell picks the reader's
-size, not the tests' quick one. The outputs are then cleaned (machine paths replaced by
-neutral text, warnings dropped from stderr, execution timestamps removed, execution counts
+size, not the tests' quick one. The outputs are then cleaned (this machine's folders
+replaced by <repo>, ~, <tmp>, <python>, any other absolute path by <path>/its file name,
+warnings dropped from stderr, execution timestamps removed, execution counts
 1, 2, 3...) and the notebook is written back with, in notebook.metadata["minidist"], the
 hash of its code cells (code_hash), the run's wall time, the machine and the UTC day.
+Its text outputs go to chapters/measurements/NN_notebook.txt, with the command, the day,
+the machine and the load average before and after the run: the source of every number a
+chapter quotes from its notebook.
 
 A cell that raises stops the notebook, which is then not written; the script names the
 notebook and the cell and exits with status 1. So does a stored notebook or figure over
-the size limits, or a machine path left in an output.
+the size limits, or an absolute path left in an output.
 
 tests/test_stored_notebooks.py imports this file for code_hash and check_stored, so that
 what the test checks and what this script writes are defined once, here.
@@ -80,17 +84,20 @@ def _machine_roots() -> list[tuple[str, str]]:
     return sorted(roots.items(), key=lambda kv: -len(kv[0]))
 
 
-# Paths that are on some machine: this one's (above) and the usual homes and temp folders
-# of others, so that a notebook stored elsewhere is caught here too.
-_GENERIC_PATH = re.compile(r"(?<![\w.<>~-])(/(?:home|Users|root|tmp|private/var|var/folders|work|usr/local"
-                           r"|usr|opt|mnt|scratch)/[^\s'\"]*|[A-Za-z]:\\Users\\[^\s'\"]*)")
+# Any absolute path, on any machine: this one's folders (above) and others', such as the
+# folder a library was built in that its error messages quote ("[/__w/pytorch/.../x.cc:78]").
+# Two components at least ("/a/b"), starting where no word, dot, slash, colon or
+# placeholder runs into it: "tokens/s", "1/beta", "(p-1)/(m+p-1)", "https://host/x" and
+# "<repo>/chapters" are not paths on a machine. Windows: a drive letter and a backslash.
+_ANY_PATH = re.compile(r"(?<![\w.<>~:/\\-])/[\w.@+-]+/[^\s'\"\]\[(){}<>,;]*"
+                       r"|(?<![\w])[A-Za-z]:\\[^\s'\"]+")
 
 
 def find_paths(text: str) -> list[str]:
-    """Machine paths in `text` (this machine's repository, home, temp and python folders,
-    and the usual home / temp / install folders of any machine)."""
+    """Absolute paths in `text`: this machine's repository, home, temp and python folders,
+    and any other absolute path (_ANY_PATH)."""
     found = [p for p, _ in _machine_roots() if re.search(re.escape(p) + r"(?![\w-])", text)]
-    found += _GENERIC_PATH.findall(text)
+    found += _ANY_PATH.findall(text)
     return sorted(set(found))
 
 
@@ -98,7 +105,9 @@ def _neutral(text: str) -> str:
     for path, token in _machine_roots():
         text = re.sub(re.escape(path) + r"(?![\w-])", token, text)
     # a temp folder's random name carries no information: /tmp/tmpab12cd/x -> <tmp>/x
-    return re.sub(r"<tmp>/(tmp|pymp-|minidist-)[\w.-]*", "<tmp>/...", text)
+    text = re.sub(r"<tmp>/(tmp|pymp-|minidist-)[\w.-]*", "<tmp>/...", text)
+    # another machine's folder (where torch was built, say): only the file's name says anything
+    return _ANY_PATH.sub(lambda m: "<path>/" + re.split(r"[/\\]", m.group(0).rstrip("/\\"))[-1], text)
 
 
 # ---- the checks on a stored notebook (this script runs them before writing; the test after) ----
@@ -259,8 +268,50 @@ class NotebookFailed(Exception):
     pass
 
 
+MEASUREMENTS = ROOT / "chapters" / "measurements"
+
+
+def _load() -> str:
+    try:
+        return "{:.1f}".format(os.getloadavg()[0])
+    except (AttributeError, OSError):  # no load average on this system
+        return "unknown"
+
+
+def provenance(nb, name: str, load_before: str, load_after: str) -> str:
+    """The text of chapters/measurements/NN_notebook.txt for a stored notebook: how it was
+    run (command, day, machine, torch, seconds, load) and every text output, by code cell,
+    so that a number a chapter quotes from the notebook's run has its source beside it."""
+    meta = nb.metadata["minidist"]
+    nn = pathlib.Path(name).stem.split("_")[0]
+    lines = [f"# python scripts/run_notebooks.py {name}   (the stored notebook, at the size it picks by itself)",
+             f"# stored run: executed {meta['executed']} (UTC), machine \"{meta['machine']}\", "
+             f"run_seconds {meta['run_seconds']}, code_sha256 {meta['code_sha256'][:16]}...",
+             f"# conditions: load average (1 minute) {load_before} before the run, {load_after} after it; "
+             f"chapter {nn} quotes these outputs as \"(notebook {nn}, stored run)\"",
+             "# below: every text output of the stored notebook, by code cell (figures left out); "
+             "written by scripts/run_notebooks.py", ""]
+    for index, cell in enumerate(nb.cells):  # numbered as in the notebook, markdown included
+        if cell.cell_type != "code":
+            continue
+        texts = []
+        for out in cell.outputs:
+            if out.output_type == "stream":
+                texts.append(_text(out.text))
+            elif out.output_type in ("execute_result", "display_data") and not any(
+                    m.startswith("image/") for m in out.get("data", {})):
+                texts.append(_text(out.get("data", {}).get("text/plain", "")) + "\n")
+            elif out.output_type == "error":
+                texts.append(f"{out.ename}: {out.evalue}\n")
+        if texts:
+            lines.append(f"--- cell {index}")
+            lines.append("".join(texts).rstrip("\n"))
+    return "\n".join(lines) + "\n"
+
+
 def run_one(path: pathlib.Path, timeout: int, host: str) -> tuple[float, int]:
-    """Execute, clean, check and write back one notebook; return (seconds, bytes)."""
+    """Execute, clean, check and write back one notebook, and its outputs to
+    chapters/measurements/NN_notebook.txt; return (seconds, bytes)."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError
@@ -269,7 +320,7 @@ def run_one(path: pathlib.Path, timeout: int, host: str) -> tuple[float, int]:
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
                             resources={"metadata": {"path": str(path.parent)}})
-    start = time.perf_counter()
+    start, load_before = time.perf_counter(), _load()
     try:
         client.execute()
     except (CellExecutionError, CellTimeoutError) as e:
@@ -298,6 +349,10 @@ def run_one(path: pathlib.Path, timeout: int, host: str) -> tuple[float, int]:
         tmp.unlink()
         raise NotebookFailed("\n".join(problems) + f"\n{name}: not written")
     os.replace(tmp, path)
+    if path.resolve().parent == NOTEBOOKS:
+        MEASUREMENTS.mkdir(parents=True, exist_ok=True)
+        (MEASUREMENTS / f"{path.stem.split('_')[0]}_notebook.txt").write_text(
+            provenance(nb, name, load_before, _load()), encoding="utf-8")
     return seconds, len(text.encode("utf-8"))
 
 

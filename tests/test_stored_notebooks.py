@@ -78,11 +78,19 @@ def test_checker_passes_a_stored_notebook_and_catches_each_fault():
     del nb.metadata["minidist"]
     assert any("not stored" in p for p in run_notebooks.check_notebook(nb, name))
 
-    for path in (f"{ROOT}/minidist/model.py", "/home/someone/minidist", "/tmp/tmpx1y2z3/data.bin"):
+    for path in (f"{ROOT}/minidist/model.py", "/home/someone/minidist", "/tmp/tmpx1y2z3/data.bin",
+                 "[/__w/pytorch/pytorch/third_party/gloo/unbound_buffer.cc:78]", "/opt/x/y.py",
+                 "/srv/builds/7/lib.so", "C:\\Users\\me\\nb.py", "D:\\a\\b"):
         nb = _stored_notebook()
         nb.cells[1].outputs[0].text = f"wrote {path}\n"
         problems = run_notebooks.check_notebook(nb, name)
         assert any("machine path" in p and "cell 1" in p for p in problems), (path, problems)
+    # slashes that are not paths on a machine
+    nb = _stored_notebook()
+    nb.cells[1].outputs[0].text = ("12,000 tokens/s, ours/torch 0.9, 1/beta, (p-1)/(m+p-1), 2/3/4, "
+                                   "https://github.com/a/b, <repo>/chapters/x.md, <tmp>/...\n")
+    nb.metadata["minidist"]["code_sha256"] = run_notebooks.code_hash(nb)
+    assert run_notebooks.check_notebook(nb, name) == []
 
     nb = _stored_notebook()  # an image over the limit
     big = base64.b64encode(b"\x89PNG" + bytes(run_notebooks.MAX_IMAGE_BYTES)).decode()
@@ -98,11 +106,13 @@ def test_cleaning_removes_paths_timestamps_and_warnings():
     cell.outputs.append(nbformat.v4.new_output(
         "stream", name="stderr",
         text=f"{ROOT}/minidist/x.py:3: UserWarning: noisy\n  warnings.warn('noisy')\nkept line\n"))
-    cell.outputs[0].text = f"saved to {ROOT}/chapters/figures/a.png\n"
+    cell.outputs[0].text = (f"saved to {ROOT}/chapters/figures/a.png\n"
+                            "[/__w/pytorch/third_party/gloo/unbound_buffer.cc:78] Timed out\n")
     run_notebooks.clean(nb)
     assert "execution" not in cell.metadata
     assert [c.execution_count for c in nb.cells if c.cell_type == "code"] == [1, None, 2]
-    assert cell.outputs[0].text == "saved to <repo>/chapters/figures/a.png\n"
+    assert cell.outputs[0].text == ("saved to <repo>/chapters/figures/a.png\n"
+                                    "[<path>/unbound_buffer.cc:78] Timed out\n")
     assert cell.outputs[1].text == "kept line\n"
     nb.metadata["minidist"]["code_sha256"] = run_notebooks.code_hash(nb)
     assert run_notebooks.check_notebook(nb, "notebooks/00_demo.ipynb") == []
@@ -114,3 +124,12 @@ def test_oversized_notebook_file_is_reported(tmp_path):
     path = tmp_path / "00_demo.ipynb"
     nbformat.write(nb, path)
     assert any("MB on disk" in p for p in run_notebooks.check_stored(path))
+
+
+def test_provenance_names_the_run_and_keeps_every_text_output():
+    nb = _stored_notebook()
+    text = run_notebooks.provenance(nb, "notebooks/00_demo.ipynb", "1.5", "2.0")
+    assert text.startswith("# python scripts/run_notebooks.py notebooks/00_demo.ipynb")
+    assert 'machine "CPU, 2 cores, torch 2"' in text and "executed 2026-12-01" in text
+    assert "load average (1 minute) 1.5 before the run, 2.0 after it" in text
+    assert "--- cell 1\n42\n--- cell 3\n42\n" in text  # numbered as in the notebook
