@@ -108,7 +108,7 @@ def run(args) -> dict:
         sizes, worlds, budget = [2 ** 10, 2 ** 16, 2 ** 20], [2], 0.05
     rows = []
     for n in worlds:
-        rows += launch(_time_collectives, n, ops, sizes, budget, timeout_s=120)[0]
+        rows += launch(_time_collectives, n, ops, sizes, budget, timeout_s=120, device="auto")[0]
     for r in rows:
         f, _ = RING[r["op"]]
         for name in ("ours", "torch"):

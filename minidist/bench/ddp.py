@@ -77,7 +77,7 @@ def run(args) -> dict:
     variants = (["naive", "flat", "torch_ddp", "no_comm", "bucketed:1:no_overlap"]
                 + [f"bucketed:{c}" for c in caps])
     t = launch(_time_ddp, world, variants, steps, rounds, cfg_kw, global_batch // world, seq_len,
-               timeout_s=300)[0]
+               timeout_s=300, device="auto")[0]  # (its tensors on the device its backend implies)
     best = min(caps, key=lambda c: t[f"bucketed:{c}"])
     exposed = {"without overlap": t["bucketed:1:no_overlap"] - t["no_comm"],
                "with overlap": t["bucketed:1"] - t["no_comm"]}

@@ -198,7 +198,7 @@ def run(args) -> dict:
           f"{os.cpu_count()} CPU cores")
     for p in size["ps"]:
         t0 = time.perf_counter()
-        runs = launch(_sweep, p, cfg, B, size["ms"], size["repeats"], timeout_s=1800)[0]
+        runs = launch(_sweep, p, cfg, B, size["ms"], size["repeats"], timeout_s=1800, device="auto")[0]
         points = [_point(gcfg, B, p, m, s, runs[s, m]) for s in SCHEDULES for m in size["ms"]]
         result["points"] += points
         print(f"\np = {p} stages ({p} processes on {os.cpu_count()} cores), "
@@ -233,7 +233,7 @@ def run(args) -> dict:
     print("\nagainst torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B) on the same stages: "
           "max |gradient difference|, median step (slowest stage), torch / ours")
     for p in size["ps"]:
-        rows = launch(_versus_torch, p, cfg, B, size["torch_ms"], size["torch_rounds"], timeout_s=1800)[0]
+        rows = launch(_versus_torch, p, cfg, B, size["torch_ms"], size["torch_rounds"], timeout_s=1800, device="auto")[0]
         result["versus_torch"] += rows
         for r in rows:
             print(f"  p {p} {r['schedule']:>5} m {r['m']:2d}: gradients differ by {r['max_grad_diff']:.1e} | "
