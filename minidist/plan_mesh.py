@@ -17,7 +17,7 @@ buy memory with compute and bytes.
 A plan: (tp, pp), dp = world / (tp pp); ZeRO stage z; m micro-batches of B = batch / (dp m)
 sequences (the global batch must split over the world, so every mesh is a candidate);
 recomputation on or off; sequence parallelism (tp > 1). Always 1F1B: GPipe has the same
-bubble and holds m micro-batches, never fewer. train_gpt's rules (minidist/flag_checks.py):
+bubble and holds m micro-batches, never fewer. train_gpt's rules (minidist/run/flag_checks.py):
 tp divides n_head, pp <= n_layer, ZeRO-2/3 only without a pipeline, ZeRO-3 only without tp.
 
 Memory per rank: chapter 09's model, minidist.memory.step_memory, given the rank's slice of

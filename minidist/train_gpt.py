@@ -29,13 +29,14 @@ import torch
 import torch.distributed as dist
 
 from minidist import checkpoint, data, faults, metrics
+from minidist.run import outputs
 from minidist.ddp import broadcast_module
 from minidist.mesh import make_mesh
 from minidist.pipeline import Stage
 from minidist.pipeline_compose import pipeline_eval, pipeline_generate
 from minidist.tensor_parallel_gpt import parallelize
 from minidist.dist import OutDirInUse, acquire_lock, cleanup, init, release_lock
-from minidist.flags import agree_across_ranks, build_parser, make_scaler, parse_args, resolve_args, world_size_from_env
+from minidist.run.flags import agree_across_ranks, build_parser, make_scaler, parse_args, resolve_args, world_size_from_env
 from minidist.model import GPT, PRESETS, GPTConfig, config_num_params, flops_per_token
 from minidist.muon import check_routing
 from minidist.recompute import set_activation_checkpointing
@@ -141,14 +142,14 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
         if not meta["rng_restored"]:  # another world size: fresh RNG streams, reproducibly
             torch.manual_seed(args.seed + start)
         log(f"resumed from {args.resume} at step {start} (saved by {meta['world_size']} ranks)")
-    rows = metrics.MetricsFile(out / "metrics.jsonl", rows, write=info.is_main)  # appended as it goes
-    run = metrics.Ending(args, argv, info.world_size, info.is_main, rows,
+    rows = outputs.MetricsFile(out / "metrics.jsonl", rows, write=info.is_main)  # appended as it goes
+    run = outputs.Ending(args, argv, info.world_size, info.is_main, rows,
                          good=Path(args.resume) if args.resume else None)
 
     def facts() -> dict:  # for summary.json, however the run ends
         return {"skipped_steps": scaler.skipped_steps, "loss_scale": scaler.get_scale(),
                 "device": info.device.type, "params": config_num_params(cfg)}
-    watch = metrics.LossWatch(args)  # a loss non-finite for steps in a row stops the run
+    watch = outputs.LossWatch(args)  # a loss non-finite for steps in a row stops the run
     tput, t_start = metrics.Throughput(), time.perf_counter()
     loss_fn = (lambda x, y: pipeline_eval(model, x, y)) if pp else None  # evaluation's forward
     check_muon_routing = args.optimizer == "muon"  # once, after the first step taken (ch. 07)
@@ -177,7 +178,7 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
             diverged = None
             try:  # the loss is all-reduced: every rank decides alike
                 watch.check(step + 1, loss)
-            except metrics.NonFiniteLoss as e:
+            except outputs.NonFiniteLoss as e:
                 diverged = str(e)
             signum = any_signal(stop.signum)  # every rank stops at the same step
             tput.add(args.batch_size * args.seq_len)
@@ -226,14 +227,14 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
             run.stop("interrupted", f"stopped after the last step, {step + 1}, by "
                      f"{signal.Signals(signum).name}, before the final evaluation", step + 1,
                      facts(), exit_code=128 + signum)
-    except metrics.RunStopped:
+    except outputs.RunStopped:
         rows.close()
         raise
     except Exception as e:  # a rank lost, a collective that timed out, an error here
         run.failed(e, step + 1, facts(), collective=is_collective_failure(e))
         rows.close()
         if is_collective_failure(e):  # a consequence: the rank that failed says why
-            raise metrics.RunStopped(str(e)) from e
+            raise outputs.RunStopped(str(e)) from e
         raise
 
     # by default the whole validation split
@@ -253,8 +254,8 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
         prompt, args.sample_tokens, temperature=0.8, top_k=50, generator=g)[0, 1:].tolist())
     if info.is_main:
         rows.close()
-        metrics.plot_losses(rows, out / "loss.png")
-        (out / "summary.json").write_text(metrics.to_json(summary, indent=1))  # NaN: null
+        outputs.plot_losses(rows, out / "loss.png")
+        (out / "summary.json").write_text(outputs.to_json(summary, indent=1))  # NaN: null
         log(f"final | val loss {val_loss:.4f} nats/token | {bpb:.3f} bits/byte | "
             f"trained {train_s:.0f}s\n--- sample ---\n{sample}\n--- "
             f"metrics.jsonl, loss.png, summary.json in {out}/")
@@ -290,5 +291,5 @@ def _save(run, step, loss, model, opts, scaler, cfg, args) -> None:
 if __name__ == "__main__":
     try:
         main()
-    except metrics.RunStopped as e:  # its line is printed (rank 0) and summary.json written
+    except outputs.RunStopped as e:  # its line is printed (rank 0) and summary.json written
         sys.exit(e.exit_code)

@@ -20,7 +20,7 @@ import torch
 
 from minidist import checkpoint, checkpoint_io, checkpoint_schema
 from minidist.resume import find_resume
-from minidist.metrics import to_json
+from minidist.checkpoint_schema import to_json
 from minidist.scaler import LossScaler
 
 

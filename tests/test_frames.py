@@ -132,7 +132,7 @@ def test_notebook_runs_top_to_bottom(nb, monkeypatch):
 # package such as zero/ or bench/) the package's own modules. Names are dotted paths under
 # minidist/ ("zero.stage3" is minidist/zero/stage3.py, "zero" its __init__.py).
 FLOORS = {
-    "ground": {"dist", "launch", "pool", "model", "data", "faults"},
+    "ground": {"dist", "launch", "pool", "model", "data", "metrics", "faults"},
     "techniques": {"comm", "ddp", "scaler", "muon", "newton_schulz", "checkpoint", "checkpoint_io",
                    "pipeline", "pipeline_measure", "pipeline_compose",  # chapter 11
                    "checkpoint_schema", "checkpoint_slots", "resume",
@@ -140,7 +140,7 @@ FLOORS = {
                    "tensor_parallel_gpt", "tensor_parallel_muon"},
     "zero": {"zero", "zero.*"},  # stands on ddp (make_buckets) and comm
     "train": {"train"},  # the training library, on every technique and ZeRO
-    "top": {"flags", "flag_types", "flag_checks", "metrics", "train_gpt", "bench", "bench.*"},  # nothing imports these but themselves
+    "top": {"run", "run.*", "train_gpt", "bench", "bench.*"},  # the workshop (and train_gpt, its entry point)  # nothing imports these but themselves
 }
 SAME_FLOOR = {  # module: what it may import on its own floor
     "launch": {"dist"},
@@ -159,10 +159,9 @@ SAME_FLOOR = {  # module: what it may import on its own floor
     "tensor_parallel_gpt": {"tensor_parallel", "tensor_parallel_cost", "cost_model", "memory"},
     "tensor_parallel_cost": {"tensor_parallel", "cost_model"},
     "tensor_parallel_muon": {"muon", "newton_schulz", "tensor_parallel"},
-    "train_gpt": {"flags", "metrics"},
-    "flags": {"flag_types", "flag_checks", "metrics"},
-    "bench": {"flags"},  # cpu_default reads AUTO, train_gpt's defaults
-    "bench.*": {"flags"},  # AUTO, train_gpt's defaults; never train_gpt itself
+    "train_gpt": {"run", "run.*"},
+    "bench": {"run.flags"},  # cpu_default reads AUTO, train_gpt's defaults
+    "bench.*": {"run.flags"},  # AUTO, train_gpt's defaults; never train_gpt itself
 }
 ORDER = list(FLOORS)
 

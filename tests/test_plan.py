@@ -78,7 +78,7 @@ def _train(argv):
 
 
 def test_auto_flags_run_the_planned_configuration(tmp_path, pool):
-    from minidist.flags import build_parser, resolve_args
+    from minidist.run.flags import build_parser, resolve_args
     cfg = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=512)
     # a budget between what 1 micro-step of 4 needs without recomputation and with it,
     # on 2 ranks: the planner has to give something up
@@ -98,7 +98,7 @@ def test_auto_flags_run_the_planned_configuration(tmp_path, pool):
 
 
 def test_auto_flags_with_a_budget_nothing_fits_fail_before_any_work(capsys):
-    from minidist.flags import build_parser, resolve_args
+    from minidist.run.flags import build_parser, resolve_args
     argv = TINY + ["--zero-stage", "auto", "--memory-budget-gb", "1e-6", "--out-dir", "unused"]
     with pytest.raises(SystemExit):
         resolve_args(build_parser().parse_args(argv), 2)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from minidist.data import get_tokenizer
-from minidist.flags import parse_args, resolve_args
+from minidist.run.flags import parse_args, resolve_args
 from minidist.memory import GB
 from minidist.model import PRESETS, GPTConfig
 from minidist.plan import CPU_BUDGET_GB, GPU_MARGIN

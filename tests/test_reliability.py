@@ -19,8 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minidist import checkpoint, data, dist as mdist, faults, flags, metrics
-from minidist.flags import MAY_CHANGE_ON_RESUME, build_parser, resolve_args
+from minidist import checkpoint, data, dist as mdist, faults
+from minidist.run import flags, outputs
+from minidist.run.flags import MAY_CHANGE_ON_RESUME, build_parser, resolve_args
 from minidist.resume import find_resume
 from minidist.launch import launch
 from minidist.model import GPT, GPTConfig
@@ -148,9 +149,9 @@ def test_a_failed_save_says_what_failed(tmp_path, monkeypatch):
 # ---- strict JSON, written as the run goes ----------------------------------------------
 
 def test_metrics_are_strict_json_and_written_as_they_come(tmp_path):
-    assert _strict(metrics.to_json({"a": float("nan"), "b": [1.5, float("-inf")]})) == \
+    assert _strict(outputs.to_json({"a": float("nan"), "b": [1.5, float("-inf")]})) == \
         {"a": None, "b": [1.5, None]}
-    rows = metrics.MetricsFile(tmp_path / "m.jsonl", [{"step": 1, "loss": 2.0}])
+    rows = outputs.MetricsFile(tmp_path / "m.jsonl", [{"step": 1, "loss": 2.0}])
     rows.append({"step": 2, "loss": float("nan")})
     lines = (tmp_path / "m.jsonl").read_text().splitlines()  # flushed: readable before close
     assert [_strict(line) for line in lines] == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": None}]
@@ -160,10 +161,10 @@ def test_metrics_are_strict_json_and_written_as_they_come(tmp_path):
 
 def test_loss_watch_stops_after_consecutive_non_finite_steps():
     args = build_parser().parse_args(["--lr", "0.1", "--warmup-steps", "0", "--tokenizer", "gpt2"])
-    watch = metrics.LossWatch(args)
+    watch = outputs.LossWatch(args)
     for step, loss in enumerate([3.0, float("nan"), float("nan"), 2.5, float("inf"), float("nan")], 1):
         watch.check(step, loss)  # two in a row, then finite: no stop
-    with pytest.raises(metrics.NonFiniteLoss, match=r"step 7: .*steps 5-7.*--lr 0.1.*--precision"):
+    with pytest.raises(outputs.NonFiniteLoss, match=r"step 7: .*steps 5-7.*--lr 0.1.*--precision"):
         watch.check(7, float("nan"))
 
 
@@ -498,7 +499,7 @@ def test_a_run_that_diverges_in_its_last_steps_keeps_its_good_checkpoint(what, s
     from minidist import train_gpt
     out = tmp_path / "out"
     _at_step(monkeypatch, since, what)
-    with pytest.raises(metrics.NonFiniteLoss) as e:
+    with pytest.raises(outputs.NonFiniteLoss) as e:
         train_gpt.main(ONE + ["--steps", "4", "--checkpoint-every", "1", "--keep-checkpoints", "1",
                               "--out-dir", str(out)])
     assert e.value.exit_code == 1 and not dist.is_initialized()
@@ -521,7 +522,7 @@ def test_sigterm_stops_at_a_step_saves_and_says_how_to_resume(tmp_path, monkeypa
     out = tmp_path / "out"
     argv = ONE + ["--steps", "5", "--checkpoint-every", "100", "--out-dir", str(out)]
     _at_step(monkeypatch, 2, "SIGTERM")
-    with pytest.raises(metrics.RunStopped) as e:
+    with pytest.raises(outputs.RunStopped) as e:
         train_gpt.main(argv)
     assert e.value.exit_code == 128 + signal.SIGTERM and not dist.is_initialized()
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handlers put back
@@ -544,7 +545,7 @@ def test_a_lost_rank_ends_with_one_line_and_a_summary(tmp_path, monkeypatch, cap
     from minidist import train_gpt
     out = tmp_path / "out"
     _at_step(monkeypatch, 3, "lost")
-    with pytest.raises(metrics.RunStopped):
+    with pytest.raises(outputs.RunStopped):
         train_gpt.main(ONE + ["--steps", "5", "--checkpoint-every", "2", "--out-dir", str(out)])
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "stopped in step 3: a collective failed" in err[0], err
@@ -612,7 +613,7 @@ def _in_one_group(tmp):
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(said):
         try:
             train_gpt.main(ARGV + ["--steps", "12", "--lr", "1e30", "--out-dir", f"{tmp}/nan"])
-        except metrics.NonFiniteLoss as e:
+        except outputs.NonFiniteLoss as e:
             got["nan"] = str(e)
     got["nan said"] = said.getvalue()
 

@@ -5,7 +5,7 @@ its own chapter: collectives.py (02), ddp.py (03), zero.py (06), muon.py and muo
 none of them.
 """
 
-from minidist.flags import AUTO
+from minidist.run.flags import AUTO
 from minidist.model import PRESETS
 
 

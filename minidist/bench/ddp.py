@@ -21,7 +21,7 @@ import torch.distributed as dist
 from minidist.bench import cpu_default
 from minidist.bench.timing import interleaved
 from minidist.ddp import DDP, allreduce_gradients_flat, allreduce_gradients_naive
-from minidist.flags import AUTO
+from minidist.run.flags import AUTO
 from minidist.launch import launch
 from minidist.model import GPT, GPTConfig
 

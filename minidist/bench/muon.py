@@ -33,7 +33,7 @@ import torch.distributed as dist
 from minidist.bench import muon_zero
 from minidist.bench.timing import measure
 from minidist.cost_model import ns_flops
-from minidist.flags import AUTO
+from minidist.run.flags import AUTO
 from minidist.launch import launch
 from minidist.model import GPT, PRESETS, GPTConfig
 from minidist.muon import Muon, newton_schulz, split_params

@@ -1,7 +1,7 @@
 """The checks of train_gpt's flags that span several flags (the tensor- and pipeline-
 parallel axes against the world, the model and what is built), and --config, a TOML file
 of flags. Chapter 10 (tensor parallelism) and chapter 11 (pipelines, recipes) add them;
-minidist/flags.py calls them before any process-group work. Exercised by
+minidist/run/flags.py calls them before any process-group work. Exercised by
 `pytest tests/test_train_gpt.py tests/test_recipes.py`.
 """
 

@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from minidist import data, faults, metrics
-from minidist.flag_checks import check_pipeline, check_tensor_parallel, config_argv
-from minidist.flag_types import (below_one, int_or_auto, mib, nonneg_float, nonneg_int, or_auto,
+from minidist import data, faults
+from minidist.run import outputs
+from minidist.run.flag_checks import check_pipeline, check_tensor_parallel, config_argv
+from minidist.run.flag_types import (below_one, int_or_auto, mib, nonneg_float, nonneg_int, or_auto,
                                  positive_float, positive_int, seed_int, up_to_one)
 from minidist.dist import default_timeout_s, env_device, env_world_size, in_use_message, lock_holder
 from minidist.model import PRESETS, GPTConfig
@@ -188,7 +189,7 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
         p.error(f"--dp {args.dp} with --zero-stage {args.zero_stage}: ZeRO does its own gradient "
                 "averaging (reduce-scatters during backward); drop --dp, or use --zero-stage 0")
     out = Path(args.out_dir)
-    problem = metrics.output_problem(out)  # a folder this process can write, found now
+    problem = outputs.output_problem(out)  # a folder this process can write, found now
     if problem:
         p.error(problem)
     holder = lock_holder(out)  # another run writing here: refused before anything is read
@@ -216,7 +217,7 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
     except (ValueError, ImportError, OSError) as e:
         fix = f": name the shard files, e.g. '{Path(e.filename) / '*.bin'}'" if isinstance(e, IsADirectoryError) else ""
         p.error(f"{flag}: {e}{fix}" if args.data else str(e))
-    problem = metrics.output_problem(Path(args.out_dir), checkpoints=bool(args.checkpoint_every))
+    problem = outputs.output_problem(Path(args.out_dir), checkpoints=bool(args.checkpoint_every))
     if problem:  # every path the run writes, tried now rather than at the first save or the end
         p.error(problem)
     return args

@@ -1,5 +1,5 @@
 """The types of train_gpt's flags: each number's range checked where argparse reads it.
-Chapter 01 (chapters/01_gpt.md) introduces the run and its flags (minidist/flags.py).
+Chapter 01 (chapters/01_gpt.md) introduces the run and its flags (minidist/run/flags.py).
 Exercised by `pytest tests/test_reliability.py`.
 """
 
