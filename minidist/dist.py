@@ -105,7 +105,7 @@ def _info(device_type: str) -> DistInfo:
     return DistInfo(rank, local_rank, world, local_world, device, dist.get_backend())
 
 
-def _set_threads(device_type: str, local_world: int) -> None:
+def set_threads(device_type: str, local_world: int) -> None:
     # Processes on one CPU share its cores; more threads than cores only adds contention.
     if device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
@@ -137,7 +137,7 @@ def init(device: str | None = None, timeout_s: float | None = None) -> DistInfo:
     backend, device_type = pick_backend(local_world, device)
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    _set_threads(device_type, local_world)
+    set_threads(device_type, local_world)
     timeout = timedelta(seconds=default_timeout_s() if timeout_s is None else timeout_s)
     if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # torchrun
         dist.init_process_group(backend, store=_elastic_store(timeout), timeout=timeout,

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from minidist.dist import _set_threads, pick_backend
+from minidist.dist import set_threads, pick_backend
 
 
 class LaunchError(RuntimeError):
@@ -48,7 +48,7 @@ class RemoteTraceback(Exception):
         return self.args[0]
 
 
-def _dumps(obj) -> bytes:
+def dumps(obj) -> bytes:
     # cloudpickle ships functions defined in __main__ (a script or a notebook cell) by
     # value; plain pickle could only name them, and a spawned child cannot import a
     # notebook. Everything the function refers to must itself be picklable.
@@ -72,7 +72,7 @@ def _child(rank, world_size, port, backend, device_type, timeout_s, payload, res
     try:
         if device_type == "cuda":
             torch.cuda.set_device(rank)
-        _set_threads(device_type, world_size)
+        set_threads(device_type, world_size)
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False,
                               timeout=timedelta(seconds=timeout_s))
         if tasks is None:
@@ -102,7 +102,7 @@ def _run_one(rank, payload, results, join=None):
         if join is not None:
             join()
         fn, args = pickle.loads(payload)
-        outcome = ("ok", _dumps(fn(*args)))
+        outcome = ("ok", dumps(fn(*args)))
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
         # reported before this rank leaves the group: its peers' errors ("connection
         # closed") are consequences and must not arrive first
@@ -122,7 +122,7 @@ def _failure(e: BaseException) -> tuple:
     """(the pickled exception or None, its traceback, its text); called in `except`."""
     tb = traceback.format_exc()
     try:
-        blob = _dumps(e)
+        blob = dumps(e)
     except Exception:  # an exception that will not pickle still reports its text
         blob = None
     return blob, tb, f"{type(e).__name__}: {e}"
@@ -155,7 +155,7 @@ def _reraise(rank: int, world_size: int, info):
     raise exc from RemoteTraceback(f"\n\nTraceback on {where}:\n{tb}")
 
 
-def _backend(world_size, backend, device):
+def choose_backend(world_size, backend, device):
     """(backend, device type) of a launch or a Pool.
 
     Nothing asked for: gloo on CPU, whatever GPUs the machine has, because the caller's
@@ -192,7 +192,7 @@ def _context():
     return ctx
 
 
-def _start(world_size, backend, device_type, timeout_s, payload, pooled):
+def start_ranks(world_size, backend, device_type, timeout_s, payload, pooled):
     """(store, processes, results queue, task queues or None): a group of fresh processes."""
     ctx = _context()
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
@@ -209,7 +209,7 @@ def _start(world_size, backend, device_type, timeout_s, payload, pooled):
     return store, procs, results, tasks
 
 
-def _collect(procs, results, grace_s, deadline_s):
+def collect_results(procs, results, grace_s, deadline_s):
     """Wait for one result from every rank: (outputs by rank, the first failure or None).
     A failure is (rank, "error", info) | (rank, "died", exit code) | (rank, "deadline", s)."""
     world_size = len(procs)
@@ -247,7 +247,7 @@ def _collect(procs, results, grace_s, deadline_s):
     return outputs, failure
 
 
-def _stop(procs, results, wait_s):
+def stop_ranks(procs, results, wait_s):
     for p in procs:
         p.join(timeout=wait_s)
         if p.is_alive():
@@ -258,7 +258,7 @@ def _stop(procs, results, wait_s):
     results.close()
 
 
-def _raise(failure, world_size):
+def raise_failure(failure, world_size):
     rank, status, info = failure
     if status == "deadline":
         raise LaunchError(f"rank {rank} of {world_size} was still running after the "
@@ -277,7 +277,7 @@ def launch(fn, world_size: int, *args, backend: str | None = None, device: str |
     Each call makes a fresh rendezvous: a TCPStore on a port the OS picks, so calls never
     collide. If a process raises, its exception is re-raised here with "[rank r of N]" in
     front of its message and its traceback as the cause; the others get `grace_s` seconds
-    to finish, then are stopped. `fn` may be defined in a notebook (see _dumps). Output
+    to finish, then are stopped. `fn` may be defined in a notebook (see dumps). Output
     printed by the children goes to the terminal that started Python, which in Jupyter is
     not the notebook: return what you want to show.
 
@@ -290,14 +290,14 @@ def launch(fn, world_size: int, *args, backend: str | None = None, device: str |
     the whole call: past it the processes are stopped and LaunchError says so (a loop that
     never ends involves no collective, so only a deadline can catch it).
     """
-    backend, device_type = _backend(world_size, backend, device)
-    store, procs, results, _ = _start(world_size, backend, device_type, timeout_s,
-                                      _dumps((fn, args)), pooled=False)
+    backend, device_type = choose_backend(world_size, backend, device)
+    store, procs, results, _ = start_ranks(world_size, backend, device_type, timeout_s,
+                                           dumps((fn, args)), pooled=False)
     failure = None
     try:
-        outputs, failure = _collect(procs, results, grace_s, deadline_s)
+        outputs, failure = collect_results(procs, results, grace_s, deadline_s)
     finally:
-        _stop(procs, results, 0 if failure else 10)
+        stop_ranks(procs, results, 0 if failure else 10)
     if failure is not None:
-        _raise(failure, world_size)
+        raise_failure(failure, world_size)
     return [outputs[r] for r in range(world_size)]

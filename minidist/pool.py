@@ -11,7 +11,7 @@ from __future__ import annotations
 import atexit
 import os
 
-from minidist.launch import _backend, _collect, _dumps, _raise, _start, _stop
+from minidist.launch import choose_backend, collect_results, dumps, raise_failure, start_ranks, stop_ranks
 
 
 class Pool:
@@ -29,7 +29,7 @@ class Pool:
     def __init__(self, world_size: int, backend: str | None = None, device: str | None = None,
                  timeout_s: float = 120.0, grace_s: float = 1.0):
         self.world_size = world_size
-        self.backend, self.device_type = _backend(world_size, backend, device)
+        self.backend, self.device_type = choose_backend(world_size, backend, device)
         self.timeout_s, self.grace_s = timeout_s, grace_s
         self._group = None  # (store, processes, results, task queues), started on first use
         self.starts = 0     # how many groups it has started: 1 unless calls failed
@@ -38,21 +38,21 @@ class Pool:
         """fn(*args) on every rank of the pool; the list of return values, by rank.
         `timeout_s` (the pool's by default) and `deadline_s` are launch's."""
         if self._group is None:
-            self._group = _start(self.world_size, self.backend, self.device_type,
-                                 self.timeout_s, None, pooled=True)
+            self._group = start_ranks(self.world_size, self.backend, self.device_type,
+                                      self.timeout_s, None, pooled=True)
             self.starts += 1
         _, procs, results, tasks = self._group
-        task = (_dumps((fn, args)), self.timeout_s if timeout_s is None else timeout_s)
+        task = (dumps((fn, args)), self.timeout_s if timeout_s is None else timeout_s)
         for q in tasks:
             q.put(task)
-        failure = "interrupted"  # (Ctrl-C) until _collect returns: the ranks' state is unknown
+        failure = "interrupted"  # (Ctrl-C) until collect_results returns: the ranks' state is unknown
         try:
-            outputs, failure = _collect(procs, results, self.grace_s, deadline_s)
+            outputs, failure = collect_results(procs, results, self.grace_s, deadline_s)
         finally:
             if failure is not None:
                 self.close(wait_s=0)
         if failure is not None:
-            _raise(failure, self.world_size)
+            raise_failure(failure, self.world_size)
         return [outputs[r] for r in range(self.world_size)]
 
     def close(self, wait_s: float = 10.0) -> None:
@@ -63,7 +63,7 @@ class Pool:
             for p, q in zip(procs, tasks):
                 if wait_s and p.is_alive():
                     q.put(None)  # finish: leave the group and exit
-            _stop(procs, results, wait_s)
+            stop_ranks(procs, results, wait_s)
 
     def __enter__(self):
         return self

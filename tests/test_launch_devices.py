@@ -85,28 +85,28 @@ def gpu_host(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.delenv("MINIDIST_DEVICE", raising=False)
     chosen = []
-    real = L._backend
+    real = L.choose_backend
 
     def recording(world_size, backend, device):
         chosen.append(real(world_size, backend, device))
         return chosen[-1]
-    monkeypatch.setattr(L, "_backend", recording)
-    monkeypatch.setattr(P, "_backend", recording)
+    monkeypatch.setattr(L, "choose_backend", recording)
+    monkeypatch.setattr(P, "choose_backend", recording)
     return chosen
 
 
 def test_the_backend_follows_what_the_caller_asks_for(gpu_host):
     # nothing asked: gloo on CPU, however many GPUs there are
-    assert L._backend(2, None, None) == ("gloo", "cpu")
-    assert L._backend(2, None, "cpu") == L._backend(2, "gloo", None) == ("gloo", "cpu")
+    assert L.choose_backend(2, None, None) == ("gloo", "cpu")
+    assert L.choose_backend(2, None, "cpu") == L.choose_backend(2, "gloo", None) == ("gloo", "cpu")
     # a GPU run asked for: NCCL, one GPU per rank
-    assert L._backend(2, None, "cuda") == L._backend(2, "nccl", None) == ("nccl", "cuda")
-    assert L._backend(2, None, "auto") == ("nccl", "cuda")  # eight GPUs, two ranks
-    assert L._backend(9, None, "auto") == ("gloo", "cpu")   # not one GPU per rank
+    assert L.choose_backend(2, None, "cuda") == L.choose_backend(2, "nccl", None) == ("nccl", "cuda")
+    assert L.choose_backend(2, None, "auto") == ("nccl", "cuda")  # eight GPUs, two ranks
+    assert L.choose_backend(9, None, "auto") == ("gloo", "cpu")   # not one GPU per rank
     with pytest.raises(ValueError, match="takes cuda tensors"):
-        L._backend(2, "nccl", "cpu")
+        L.choose_backend(2, "nccl", "cpu")
     with pytest.raises(ValueError, match="device must be"):
-        L._backend(2, None, "gpu")
+        L.choose_backend(2, None, "gpu")
     assert Pool(2).backend == "gloo"  # a Pool starts nothing until its first run
 
 
