@@ -18,13 +18,23 @@ uneven, empty chunks; float32 and bfloat16):
   ranks (within 2N roundings of the dtype).
 - ring_all_gather: every rank's chunks[i] equals rank i's chunks[i], bit for bit.
 - all_reduce: the sum, in `tensor` itself, float32 and bfloat16, any shape.
-- the ring: each rank sends only to rank r+1, 2(N-1)/N * S bytes (counted per destination).
+- the ring: each rank sends 2(N-1)/N * S bytes (counted per destination), in a run whose
+  sum is checked too.
+- the data travels in the messages: every chunk a rank ends with arrived from its left
+  neighbour, bit for bit (the chunk it finishes itself: its own values plus what
+  arrived). The grader records every message where every torch.distributed call ends,
+  below its Python, with its peer, its bytes and what it carried.
 
-Rules (enforced in every graded part; a part that breaks one scores 0):
+Rules (enforced in every graded part: ring_reduce_scatter, ring_all_gather and
+all_reduce alike; a part that breaks one scores 0, the message naming what was seen):
 - Move data only with torch.distributed.isend, irecv, send and recv. No dist.all_reduce,
-  all_gather, broadcast, reduce_scatter, all_to_all, ... nor their functional versions:
-  the grader makes them raise while your code runs.
-- Send only to your right neighbour, each byte the ring needs and no more.
+  all_gather, broadcast, reduce_scatter, all_to_all, ... nor their functional versions or
+  torch's operators under them.
+- The ring's direction: in every part a rank sends only to its right neighbour (r+1) % N
+  and receives only from its left neighbour (r-1) % N (no receive from any source).
+  Each byte the ring needs and no more.
+- No other way of moving data: no process group of your own, no group's backend object
+  called directly, no rendezvous store.
 - Don't deadlock: a rank still busy after 20 seconds is stopped, and the part fails.
 - Any number of ranks and any size, down to one element.
 

@@ -24,12 +24,17 @@ it registers them; SGD with momentum, float32):
   with several buckets, one bucket and one per parameter, and so are the SGD steps.
 - overlap: at least one asynchronous all-reduce starts before backward's last gradient.
 - one all-reduce per bucket per backward, of its flat buffer, launched in bucket index
-  order even when backward fills the buckets in another order.
+  order even when backward fills the buckets in another order; and each all-reduce carries
+  its bucket's gradients (the grader records every all-reduce below torch.distributed's
+  Python, with a copy of what its buffer held when it started: this rank's gradients of
+  the bucket's parameters, in any order within the buffer, as they are or already divided
+  by the world size).
 
 Rules (enforced in every graded part; a part that breaks one scores 0):
 - Move data with dist.broadcast (construction) and dist.all_reduce (buckets) only: no
   other collective, no torch.nn.parallel.DistributedDataParallel (nor FSDP) anywhere in
-  what you build.
+  what you build, and no other way of moving data (a process group of your own, a
+  group's backend object, the rendezvous store).
 - One hook per trainable parameter (p.register_post_accumulate_grad_hook); the wait for
   the buckets happens at the end of backward, before loss.backward() returns.
 - Every rank issues the same all-reduces in the same order: ranks pair collectives by

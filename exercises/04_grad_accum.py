@@ -24,9 +24,12 @@ Rules:
   caller averages the gradients over ranks afterwards (for instance with
   minidist.ddp.allreduce_gradients_flat): prepare them exactly as for DDP.
 - Communicate only with dist.all_reduce, and never gradients yourself: they are the
-  DDP's (or the caller's) business. No torch.nn.parallel.DistributedDataParallel. The
-  grader counts which all-reduces happen in which micro-step, and a check that sees
-  another collective, or torch's DDP, scores 0.
+  DDP's (or the caller's) business. No torch.nn.parallel.DistributedDataParallel, and no
+  other way of moving data (a process group of your own, a group's backend object, the
+  rendezvous store). The grader records every all-reduce below torch.distributed's
+  Python, with what it carried and which micro-step it fell in: a check that sees
+  another collective, or torch's DDP, scores 0, and the global token count and loss must
+  be among the sums of what your all-reduces carried (what every rank put in, added up).
 
 The grader checks, against one process computing the loss of the whole global batch in
 one go (`model(x, y)`, the mean over its unmasked targets): 1 rank with 3 micro-batches,

@@ -26,16 +26,21 @@ The contract (the grader checks each):
   Python float.
 - unscale_(optimizer) divides in place every gradient the optimizer holds (p.grad of each
   p in optimizer.param_groups[i]["params"], skipping those whose grad is None) by S, and
-  records this step's verdict: did any gradient hold inf, -inf or NaN? Called at most
-  once per step.
+  records this step's verdict: did any gradient hold inf, -inf or NaN? At most once per
+  step: a second call before update() raises RuntimeError and divides nothing (as
+  GradScaler does).
 - Ranks agree. Under data parallelism one rank may overflow while the others do not, and
   with sharded gradients (chapter 06) the others cannot even see it: if ranks decided
   alone, some would step and some would not, and their parameters would drift apart.
   When a process group of more than one rank exists (dist.is_initialized() and
   dist.get_world_size() > 1), every rank reaches the same verdict, and every rank
   issues the same collectives every step, overflow or not: ranks pair their collectives
-  by order, and a rank that skips one hangs the others. Without a process group (the
-  grader's single-process checks) call no collective at all.
+  by order, and a rank that skips one hangs the others. The verdict travels in those
+  collectives: the grader records them below torch.distributed's Python, and a rank
+  whose gradients overflowed must put something different into them than at a clean
+  step (no other way of moving data: no process group of your own, no backend object,
+  no store). Without a process group (the grader's single-process checks) call no
+  collective at all.
 - step(optimizer) calls unscale_ first when it was not called this step, then
   optimizer.step() only if the verdict is clean. A skipped step leaves the optimizer
   alone: no optimizer.step() call, parameters and momentum untouched.
@@ -51,6 +56,8 @@ The contract (the grader checks each):
     underflow problem, the run is diverging. Say so in the message, and what to try
     (a lower learning rate, gradient clipping, bf16). minidist.scaler.ScaleCollapseError
     is such an error; raise it or a FloatingPointError of your own.
+  * No verdict: update() with no unscale_() or step() since the last update() raises
+    (GradScaler raises; RuntimeError or AssertionError) and changes nothing.
   * Clean step: it ends any overflow streak. After growth_interval clean steps in a row
     (counted since the last overflow or growth), S = S * growth_factor. As in
     GradScaler, whose S is a float32 tensor, refuse a growth that would take S above

@@ -55,23 +55,39 @@ The contract (what the grader checks):
   opt.param_groups reaches the parameters it means (the grader halves the learning
   rates before the last step).
 - Memory per rank: the optimizer's state only for this rank's shard (AdamW: 8 bytes x
-  padded / N); at stage 2 no full-size gradient outlives the reduction of its unit
-  while backward runs, and after step only the gradient shards remain.
+  padded / N), wherever it is kept; at stage 2 no full-size gradient (nor a copy of one)
+  outlives the reduction of its unit while backward runs, and after backward and after
+  step only the gradient shards remain.
 - Gradients are AVERAGED over ranks (a sum would be N times the gradient of the batch's
   mean loss); with accumulation the micro-steps' gradients add up; stage 1 reduces
   after backward (nothing inside no_sync()), stage 2 during backward, every micro-step.
-- Every rank issues the same collectives in the same order (a rank that waits more
-  than 20 seconds for the others fails the check).
+- The reduce order: every rank issues the same collectives in the same order, so the
+  units' reduce-scatters start in unit index order, unit k only after units 0..k-1,
+  whatever order backward completes them in. Ranks pair collectives by the order they
+  are issued, and autograd promises no order of the gradients (chapter 03, section 4,
+  "launch in bucket order"): at stage 2 a complete unit waits for the ones before it;
+  at stage 1, and for the units left at the end of backward, all in index order. The
+  all-gathers of step, in unit order too. (A rank that waits more than 20 seconds for
+  the others fails the check.)
+- The data travels in those collectives: the grader records every collective and
+  message below torch.distributed's Python, with a copy of what it sends, and each
+  backward's reduce-scatters must carry this rank's own gradients (its units' flat
+  local gradients). No other way of moving data: no process group of your own, no
+  group's backend object called directly, no rendezvous store.
 - collectives="minidist" sends everything through minidist.comm (the ring of chapter
-  02, synchronous, counted by minidist.comm.count_bytes): per step one reduce-scatter
-  and one all-gather per unit, the bytes of data parallelism. "torch": torch.distributed's
-  asynchronous collectives, on self.group.
+  02, synchronous, point-to-point messages the grader counts while backward runs and in
+  step): per step one reduce-scatter and one all-gather per unit, the bytes of data
+  parallelism. "torch": torch.distributed's asynchronous collectives, on self.group.
 
 The grader's model has a frozen parameter, an embedding tied to the head, and three param
 groups, one of which some ranks hold no element of; on 3 ranks the units do not divide
-and are padded. It measures what each rank holds from the outside (the inner optimizer's
-state, the gradients left after backward and after step, the full gradients alive while
-backward runs).
+and are padded. It passes module=model (the units follow the model's registration
+order). It measures what each rank holds from the outside: every tensor your optimizer
+can reach (its attributes, the inner optimizer, the model's parameters and the hooks on
+them, your module's globals), split into parameters, gradients (what a .grad lives in)
+and the rest, which is optimizer state; and the full gradients alive while backward
+runs. A model whose backward completes its units out of index order shows the reduce
+order.
 
 Rules enforced in every graded part (a part that breaks one scores 0): no
 torch.distributed.optim.ZeroRedundancyOptimizer, no FSDP (fully_shard,
@@ -115,12 +131,13 @@ class ShardedOptimizer:
     reduce_gradients: stage 1 averages the gradients itself (after backward); stage 2 does
     bucket_cap_mb:    the size of a unit (bucket), in MiB
     collectives:      "torch" (asynchronous) or "minidist" (the ring, counted)
+    module:           the model, if given: the units follow its registration order
     **defaults:       the inner optimizer's arguments (lr, ...)
     """
 
     def __init__(self, params, optimizer_class, group=None, stage: int = 1,
                  reduce_gradients: bool = False, bucket_cap_mb: float = 25.0,
-                 collectives: str = "torch", **defaults):
+                 collectives: str = "torch", module=None, **defaults):
         # ---- written for you: the settings, the param groups, the units
         if stage not in (1, 2):
             raise ValueError(f"ShardedOptimizer is ZeRO stage 1 or 2, got stage={stage}")
@@ -140,6 +157,9 @@ class ShardedOptimizer:
                 if p.requires_grad and p not in group_of:
                     group_of[p] = i
                     ordered.append(p)
+        if module is not None:  # the model's registration order: see _make_units
+            position = {p: i for i, p in enumerate(module.parameters())}
+            ordered.sort(key=lambda p: position.get(p, -1))
         self.units = self._make_units(ordered, group_of, bucket_cap_mb)
         self._unit_of = {p: u for u in self.units for p in u.params}
         self._pending = []     # (unit, output, work) of the reduce-scatters in flight
@@ -154,8 +174,11 @@ class ShardedOptimizer:
 
     def _make_units(self, ordered: list, group_of: dict, bucket_cap_mb) -> list[_Unit]:
         """Written for you. DDP's buckets (minidist.ddp.make_buckets: about bucket_cap_mb
-        MiB each, 0 one per parameter, None one for all), in reverse order (roughly the
-        order backward produces the gradients); a bucket holds at least one parameter."""
+        MiB each, 0 one per parameter, None one for all), in reverse order: with `module`
+        given, reverse registration order, roughly the order backward completes the
+        gradients (so that reducing in unit index order holds few gradients back);
+        otherwise the reverse of the param groups' order. A bucket holds at least one
+        parameter."""
         return [_Unit(b, group_of, self.rank, self.world)
                 for b in make_buckets(list(reversed(ordered)), bucket_cap_mb)]
 
@@ -206,7 +229,8 @@ class ShardedOptimizer:
             "_reduce_scatter is not written yet (`python -m exercises.grade 06 --hint` gives a hint)")
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        """The hook: p.grad is complete (once per backward, tied weights included)."""
+        """The hook: p.grad is complete (once per backward, tied weights included). At
+        stage 2 the units are reduced from here, in unit index order (see the contract)."""
         raise NotImplementedError(
             "_on_grad is not written yet (`python -m exercises.grade 06 --hint` gives a hint)")
 
@@ -218,7 +242,8 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def _end_of_backward(self) -> None:
-        """The callback, once backward is done: reduce what is left, then finish."""
+        """The callback, once backward is done: reduce what is left, in unit index order,
+        then finish."""
         raise NotImplementedError(
             "_end_of_backward is not written yet (`python -m exercises.grade 06 --hint` gives a hint)")
 
@@ -295,6 +320,6 @@ class ShardedGradAccumulator:
 # Where minidist implements it; `python -m exercises.grade 06 --reference` grades it
 # instead of the stub above. Leave it as it is.
 REFERENCE = {
-    "ShardedOptimizer": "minidist.zero:ShardedOptimizer",
+    "ShardedOptimizer": "exercises.checks_06:ReferenceShardedOptimizer",
     "ShardedGradAccumulator": "exercises.checks_06:ReferenceGradAccumulator",
 }

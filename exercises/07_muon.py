@@ -45,6 +45,9 @@ What the grader checks in (a):
 - In bf16 the result equals torch's own Newton-Schulz to the bit
   (torch.optim._muon._zeropower_via_newtonschulz, the oracle): the same mathematics
   rounded differently does not pass.
+- Part (a) is yours: ns_reference (minidist's newton_schulz, imported below for parts
+  (b) and (c)) trips while part (a) is checked, under any name; a check that reaches it
+  scores 0.
 
 What the grader checks in (b):
 - One process (no process group, or one of a single rank): equal to torch.optim.Muon,
@@ -55,9 +58,17 @@ What the grader checks in (b):
   all-reduce of chapter 03, the same gradients; all ranks agree which are None): every
   rank's parameters equal one process's after every step, to the bit.
 - Every matrix has one owner rank, the same on every rank; only the owner keeps its
-  momentum, in self.state[p]["momentum_buffer"] (where the grader looks), and runs its
-  Newton-Schulz. Each rank's share of the momentum is at most total / N plus the
-  largest matrix.
+  momentum, in self.state[p]["momentum_buffer"] (where the grader looks for who owns
+  what), and runs its Newton-Schulz. Each rank's share of the momentum is at most
+  total / N plus the largest matrix, counting every tensor the optimizer can reach
+  (besides the parameters and their gradients), wherever it is kept.
+- The work is where the ownership says: each step, the FLOPs of each rank's matrix
+  products (counted below Python, on every thread) are exactly those of the
+  Newton-Schulz of the matrices it owns that have a gradient.
+- The updates travel in the collectives: the grader records what every rank puts into
+  them (below torch.distributed's Python), and each update of each step must be among
+  it, bit for bit. No other way of moving data (a process group of your own, a group's
+  backend object, the rendezvous store).
 - Every rank joins every collective, in the same order, with the same sizes, also when
   some gradients are None: a rank that skips one leaves the others waiting, and a rank
   that waits more than 20 seconds for the others (a hang) fails its check.
@@ -82,7 +93,10 @@ ranks' shards; the owners are not the ranks that hold the matrices), over 3 step
   and more here, and an update applied to the wrong piece by far more.
 - Each matrix's momentum is in `momenta` on its owner only, whole (rows x cols), equal
   to torch.optim.Muon's momentum_buffer within the same 1%.
-- Bytes received per rank per step (counted on the ProcessGroup's collectives and recv)
+- The pieces travel in the recorded messages and collectives: each rank's sends of a
+  step hold, bit for bit, its gradient shard's pieces of the matrices others own, and
+  each piece of update a rank applies is, to rounding, among what the owner sent.
+- Bytes received per rank per step (every collective and recv, recorded below Python)
   at most 4 x G + 2 x U + 64 bytes per matrix: G the elements of the matrices it owns
   that lie outside its shard (gradients, fp32), U the elements of its shard whose
   matrix another rank owns (updates, in ns_dtype, bf16: as Muon's all_gather sends

@@ -1,4 +1,4 @@
-"""Exercise 09: activation checkpointing, written on torch.autograd.Function.
+"""Exercise 09: activation checkpointing.
 
 Chapter 09 (chapters/09_memory.md) counts what a transformer block keeps for its backward:
 about 16 x batch x sequence x width numbers (in fp32, 64 bytes a token a unit of width),
@@ -12,26 +12,23 @@ Implement `checkpoint(fn, x)`:
 `fn` is a transformer block's forward (a bound method, such as `block._forward` of a
 minidist.model.Block; `fn.__self__` is the block, whose `.parameters()` are the weights it
 uses); `x` is the block's input, a tensor that requires grad. The model calls it for
-every block once you set `block.recompute = checkpoint` (the grader does).
+every block once you set `block.recompute = checkpoint` (the grader does). How you build
+it is yours to design (chapter 09, section 2, explains the idea).
 
-Write a torch.autograd.Function whose forward runs fn with autograd off and saves only x;
-whose backward runs fn again with autograd on, on a detached copy of x that requires
-grad, and differentiates it (torch.autograd.grad) with respect to x and the block's
-parameters; pass the parameters to the Function's apply as inputs, so that the gradients
-it returns for them reach their .grad through the ordinary backward.
-
-What the grader checks (each a part of the score):
-- gradients: every parameter's gradient equals the run without checkpointing, exactly
-  (fp32, no dropout: the same arithmetic gives the same bits);
-- memory: the bytes saved for backward, counted from outside with
-  torch.autograd.graph.saved_tensors_hooks, are per block those of its input only;
-- dropout: with dropout on, the recomputed forward draws the same random numbers as the
-  first (save the RNG state in forward: torch.get_rng_state(), and on a GPU
-  torch.cuda.get_rng_state(); set it back before recomputing, inside
-  torch.random.fork_rng() so the training run's own stream is left where it was);
-- autocast: under torch.autocast(bf16) the gradients equal the run without checkpointing
-  (backward runs outside the forward's autocast region: record torch.is_autocast_enabled
-  and torch.get_autocast_dtype for the device in forward, and re-enter them to recompute).
+The contract (each a part of the score):
+- gradients: after backward, x's gradient and every parameter's gradient equal those of
+  the run without checkpointing, exactly (fp32, no dropout: the same arithmetic gives the
+  same bits), reaching .grad through the ordinary backward;
+- memory: between forward and backward a block keeps only its input for backward. The
+  grader runs each block alone and looks where memory really is: it walks the autograd
+  graph behind the block's output (every node's saved tensors and everything a custom
+  Function's context holds) and every tensor made during the call that is still alive,
+  anywhere; the parameters, the output and a random generator's state do not count;
+- dropout: with dropout on, the gradients equal the run without checkpointing (the
+  recomputation sees the same dropout masks), and the random numbers drawn after the
+  step are those the run without checkpointing draws;
+- autocast: under torch.autocast(bf16) the gradients equal the run without
+  checkpointing (backward runs outside the forward's autocast region).
 
 Rule: torch.utils.checkpoint is the oracle, not a building block. The grader replaces it
 with a tripwire while your code runs; a solution that calls it scores 0.
@@ -46,15 +43,15 @@ grades minidist's own (minidist/recompute.py) instead of yours.
 
 from __future__ import annotations
 
-import torch  # noqa: F401 - for you: torch.autograd.Function, torch.random.fork_rng
+import torch  # noqa: F401 - for you
 
 
 def checkpoint(fn, x: torch.Tensor) -> torch.Tensor:
     """fn(x), keeping only x for backward and recomputing fn in backward."""
     raise NotImplementedError(
-        "checkpoint: a torch.autograd.Function whose forward saves only x (and the RNG and "
-        "autocast states) and whose backward recomputes fn(x) and differentiates it; chapter "
-        "09, section 2. `python -m exercises.grade 09 --hint` shows hints, one at a time.")
+        "checkpoint is not written yet: the contract is in the docstring of exercises/"
+        "09_memory.py (chapter 09, section 2). `python -m exercises.grade 09 --hint` shows "
+        "hints, one at a time.")
 
 
 # Where minidist implements it; `python -m exercises.grade 09 --reference` grades this

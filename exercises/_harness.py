@@ -15,11 +15,20 @@ costing the whole timeout), and fail saying why. The gloo process group's timeou
 a rank that waits on a message forever into an error, and a watchdog does the same for a
 rank stuck in Python (an endless loop). A part that fails at one world size is not run
 at the next: its check fails at the first world size that goes wrong anyway.
+
+Every part runs under the exercise's rules (exercises/_rules.py) and inside a recording of
+this rank's traffic (exercises/_traffic.py): every collective and message, seen below
+torch.distributed's Python, with its kind, bytes, peer and a copy of what it sends, which
+the part reads with `traffic()`; data moved any other way (a process group of the
+learner's own, a backend object, the store) breaks a rule and the part scores 0, naming
+what was seen. `watching_process_groups` hands each call to a recorder of the grader's
+(exercises 10 and 11).
 """
 
 from __future__ import annotations
 
 import _thread
+import contextlib
 import os
 import pickle
 import sys
@@ -30,7 +39,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from exercises import _rules
+from exercises import _rules, _traffic
 from minidist.launch import LaunchError
 from minidist.pool import shared_pool
 
@@ -71,7 +80,7 @@ def _run_part(part, fns: dict, r: int, n: int, timeout_s: float, hang_hint: str,
     watchdog.start()
     w = None
     try:
-        with _rules.watching(rules) as w:
+        with _rules.watching(rules) as w, _traffic.recording(w, rules):
             try:
                 outcome = "ok", part(fns, r, n)
             except NotImplementedError as e:
@@ -100,6 +109,9 @@ def _worker(fns: dict, parts: list, timeout_s: float, hang_hint: str, progress: 
     for name, part in parts:
         outcome = _run_part(part, fns, r, n, timeout_s, hang_hint, rules)
         if outcome[0] == "error":
+            # said in a file before this rank leaves the group: a peer that then fails with
+            # "connection closed" may be heard first, and the parent reads the cause here
+            _write(f"{progress}.why{r}", outcome[1])
             raise PartFailed(outcome[1])  # stop: messages in flight could corrupt the next part
         # every rank learns every rank's outcome; none starts the next part before all
         # have finished this one
@@ -107,10 +119,35 @@ def _worker(fns: dict, parts: list, timeout_s: float, hang_hint: str, progress: 
         dist.all_gather_object(gathered, outcome)
         done[name] = gathered
         if r == 0:
-            with open(progress + ".tmp", "wb") as f:
-                pickle.dump(done, f)
-            os.replace(progress + ".tmp", progress)
+            _write(progress, done)
     return done
+
+
+def _write(path: str, obj) -> None:
+    """Pickle `obj` to `path`, whole or not at all."""
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(obj, f)
+    os.replace(path + ".tmp", path)
+
+
+def _cause(progress: str, n: int, why: str) -> str:
+    """Why the launch whose progress file is `progress` failed: a rank's own account of a
+    hang (or, when the launch reports a connection its peer closed, of any failure), read
+    from the files ranks write before they leave, whichever rank was heard first."""
+    told = {}
+    for r in range(n):
+        try:
+            with open(f"{progress}.why{r}", "rb") as f:
+                told[r] = pickle.load(f)
+        except (OSError, pickle.PickleError, EOFError):
+            continue
+    hung = [r for r, msg in told.items() if _hung(msg)]
+    if hung and not _hung(why):
+        return f"[rank {hung[0]} of {n}] {told[hung[0]]}"
+    if told and ("connection closed" in why.lower() or "connection reset" in why.lower()):
+        r = min(told)
+        return f"[rank {r} of {n}] {told[r]}"
+    return why
 
 
 def _summary(outcomes: list, n: int) -> tuple[str, object]:
@@ -146,7 +183,7 @@ def run_all(parts: dict, fns: dict, world_sizes, timeout_s: float, hang_hint: st
                                                    timeout_s=timeout_s,
                                                    deadline_s=(timeout_s + 15) * len(todo) + 30)[0], None
                 except Exception as e:
-                    done, why = _load(progress), explain(e, timeout_s, hang_hint)
+                    done, why = _load(progress), _cause(progress, n, explain(e, timeout_s, hang_hint))
                 for name, outcomes in done.items():
                     results[name, n] = _summary(outcomes, n)
                     if results[name, n][0] != "ok":
@@ -231,33 +268,32 @@ def preflight(probe, *fns):
     return _learner.preflight(probe, *fns)
 
 
+def traffic() -> "_traffic.Traffic":
+    """The recording of the part running on this rank (exercises/_traffic.py): every
+    collective and message of the learner's code, with kind, bytes, peer and content."""
+    t = _traffic.current()
+    if t is None:
+        raise RuntimeError("no part is being recorded on this rank")
+    return t
+
+
 @contextmanager
 def watching_process_groups(on_call, names):
-    """Inside: every call of one of `names` (collectives, send, recv, ...) on a
-    torch.distributed ProcessGroup, or on its gloo backend, first calls on_call(pg, name,
-    args), then runs. This is below torch.distributed's Python functions, so a learner's
-    call reaches it however it was made (dist.*, the group's own methods, the backend's).
-    Each class's own attributes are put back as they were on the way out."""
-    undo = []
-    classes = [dist.ProcessGroup] + [c for c in (getattr(dist, "ProcessGroupGloo", None),) if c]
-    for cls in classes:
-        for name in names:
-            if not hasattr(cls, name):
-                continue
-            # restore what the class's own dict held (a pybind method's descriptor); call
-            # what attribute lookup gives
-            orig, saved = getattr(cls, name), cls.__dict__.get(name)
+    """Inside: every call of one of `names` (ProcessGroup method names: collectives, send,
+    recv, ...) first calls on_call(pg, name, args), args as the method takes them less the
+    group. It is the part's recording (exercises/_traffic.py), below torch.distributed's
+    Python: a learner's call reaches it however it was made (dist.*, the group's own
+    methods, torch.ops.c10d, the functional collectives); a call on a backend object
+    directly, the store or a group of the learner's own trips the part's watch there."""
+    wanted = set(names)
 
-            def wrapper(pg, *args, _orig=orig, _name=name, **kwargs):
-                on_call(pg, _name, args)
-                return _orig(pg, *args, **kwargs)
-            setattr(cls, name, wrapper)
-            undo.append((cls, name, saved))
-    try:
-        yield
-    finally:
-        for cls, name, saved in reversed(undo):
-            if saved is not None:
-                setattr(cls, name, saved)
-            else:
-                delattr(cls, name)
+    def listen(e):
+        if e.op in wanted:
+            on_call(e.pg, e.op, e.args)
+    with contextlib.ExitStack() as stack:
+        t = _traffic.current() or stack.enter_context(_traffic.recording(_rules.current()[0]))
+        t.listeners.append(listen)
+        try:
+            yield t
+        finally:
+            t.listeners.remove(listen)

@@ -116,8 +116,12 @@ class LearnerRef:
 
 
 def resolved(impl: SimpleNamespace) -> SimpleNamespace:
-    return SimpleNamespace(**{k: v.resolve() if isinstance(v, LearnerRef) else v
+    """The real objects; `learner_names` says which came from the learner's file (what a
+    check may hold to rules the grader's and minidist's own code are not held to)."""
+    real = SimpleNamespace(**{k: v.resolve() if isinstance(v, LearnerRef) else v
                               for k, v in vars(impl).items()})
+    real.learner_names = frozenset(k for k, v in vars(impl).items() if isinstance(v, LearnerRef))
+    return real
 
 
 _INHERITED: list = []

@@ -12,6 +12,11 @@ part inside `watch(rules)`, which for the length of the part:
 - makes forbidden functions trip where they live and, for plain functions, in their code
   object itself, so an alias imported before grading trips as well.
 
+Below these Python-level tripwires, exercises/_traffic.py records every collective and
+message where every road to gloo meets (torch's dispatcher), enforces `allowed` there too
+and judges each call with the rules' `on_traffic`; what it sees is noted on the watch
+(`Watch.note`: the part scores 0, the call goes on, so that no rank is left waiting).
+
 `scan(obj)` finds forbidden module types anywhere in a module tree (fully_shard turns a
 module into an FSDPModule without calling a constructor). A tripped rule raises RuleBroken
 and is recorded even when the learner's code swallows the exception; the harness then
@@ -68,10 +73,14 @@ class RuleBroken(RuntimeError):
 class Rules:
     """An exercise's rules. `allowed`: the ProcessGroup methods the learner may call, or
     None when the exercise restricts no collective; `collective_rule` says the rule in
-    words. `apis`: {dotted name of a forbidden class or function: the rule in words}."""
+    words. `apis`: {dotted name of a forbidden class or function: the rule in words}.
+    `on_traffic`: a module-level function (event, rank, world size) -> what is wrong (a
+    string, or (api, rule)) or None, judging every call the part's recorder sees
+    (exercises/_traffic.py) when it happens."""
     allowed: tuple[str, ...] | None = None
     collective_rule: str = ""
     apis: dict = field(default_factory=dict)
+    on_traffic: object = None
 
 
 class Watch:
@@ -79,10 +88,16 @@ class Watch:
         self.broken: list[str] = []
 
     def trip(self, api: str, rule: str):
+        raise RuleBroken(self.note(api, rule))
+
+    def note(self, api: str, rule: str) -> str:
+        """Record a broken rule without stopping the code that broke it (the part scores 0
+        all the same): what the recorder sees below Python (exercises/_traffic.py) lets
+        the call go on, so that a rule broken on one rank never leaves the others waiting."""
         msg = f"{api} was called, which this exercise forbids: {rule}"
         if msg not in self.broken:
             self.broken.append(msg)
-        raise RuleBroken(msg)
+        return msg
 
 
 _STATE = threading.local()  # .exempt: the grader's own oracle is running

@@ -5,6 +5,13 @@ minidist.pool.shared_pool (launch's processes, kept for the next grading), with 
 process group. The oracle is torch.distributed's own
 all_reduce and all_gather on the same data; only the grader calls them.
 
+Every message is recorded below torch.distributed's Python (exercises/_traffic.py), with
+its peer, its bytes and a copy of what it carried: the ring's direction (RULES.on_traffic)
+is judged in every part as each message is posted, the bytes per destination are read off
+the recording, and each part checks that every chunk a rank ends with arrived in a message
+from its left neighbour (the grader gathers the senders' copies), so that data moved any
+other way does not count even where no hook can see it.
+
 Starting processes is the slow part (seconds per launch on a small CPU), so one launch
 per world size runs every sub-check of every check (a "part" per exercised function),
 and the checks read the results from a cache. Parts that fail at 2 ranks are not run
@@ -24,12 +31,12 @@ import re
 import tempfile
 import threading
 from collections import Counter
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
-from exercises import _rules
+from exercises import _harness as H
+from exercises import _rules, _traffic
 from exercises._harness import per_world_size
 from exercises.grade import check
 from minidist import comm
@@ -109,6 +116,44 @@ def _chunk_sizes(n: int) -> list[list[int]]:
     return cases
 
 
+# --------------------------------------------------------------------- what the messages carried
+
+def _received() -> list[torch.Tensor]:
+    """What this rank's left neighbour sent it in the learner's call just made (the
+    sender's copies, taken as it sent them), read off every rank's recording. Clears the
+    recording for the next call. (The exchange is the grader's, exempt.)"""
+    t = _traffic.current()
+    mine = [(e.peer, e.data[0] if e.data else None) for e in t.events if e.kind == "send"]
+    t.events.clear()
+    everyone = [None] * dist.get_world_size()
+    with _rules.exempt():
+        dist.all_gather_object(everyone, mine)
+    r = dist.get_rank()
+    return [data for sender in everyone for peer, data in sender if peer == r and data is not None]
+
+
+def _not_carried(where: str, got: torch.Tensor, own: torch.Tensor | None, came: list) -> str | None:
+    """None when `got` arrived in one of the messages `came` (bit for bit), or, when `own`
+    is given, is own plus one of them; else what is wrong. Data that reached the rank
+    some other way than the recorded messages shows here."""
+    if got.numel() == 0:
+        return None
+    for m in came:
+        if m.numel() != got.numel():
+            continue
+        m = m.reshape(got.shape).to(got.dtype)
+        if torch.equal(got, m):
+            return None
+        if own is not None and (torch.equal(got, own + m) or
+                                torch.equal(got, (own.float() + m.float()).to(got.dtype))):
+            return None
+    what = "equals no message" if own is None else "is neither a message nor its own chunk plus one"
+    return (f"{where} holds {got.numel()} values that no message from the left neighbour brought: "
+            f"it {what} of the {len(came)} this rank received. In a ring every chunk a rank "
+            "ends with arrives from its left neighbour (the one it finishes, its own plus the "
+            "partial sum that arrives); data that reached it another way does not count")
+
+
 # --------------------------------------------------------------------- the parts, run on every rank
 
 def _reduce_scatter_part(fns: dict, r: int, n: int) -> list[str]:
@@ -119,12 +164,16 @@ def _reduce_scatter_part(fns: dict, r: int, n: int) -> list[str]:
         lo = sum(sizes[:r])
         exact, scale = exact[lo:lo + sizes[r]], scale[lo:lo + sizes[r]]
         before = list(chunks)  # the tensors themselves: the result must land in them
+        own = chunks[r].clone()
         fns["ring_reduce_scatter"](chunks)
+        came = _received()
         where = f"{n} ranks, chunk sizes {sizes}: rank {r}'s chunks[{r}]"
         if chunks[r] is not before[r]:
             problems.append(f"{where} was replaced by another tensor; update it in place "
                             "(add_, copy_), as all_reduce needs the sum inside its own views")
         elif (p := _sum_problem(before[r], exact, scale, n, where)) is not None:
+            problems.append(p)
+        elif n > 1 and (p := _not_carried(where, before[r], own, came)) is not None:
             problems.append(p)
     return problems
 
@@ -147,7 +196,13 @@ def _all_gather_part(fns: dict, r: int, n: int) -> list[str]:
                   for i, s in enumerate(sizes)]
         before = list(chunks)
         fns["ring_all_gather"](chunks)
+        came = _received()
         for i, (got, w) in enumerate(zip(before, want)):
+            if torch.equal(got, w) and i != r:
+                p = _not_carried(f"{n} ranks, chunk sizes {sizes}: rank {r}'s chunks[{i}]", got, None, came)
+                if p is not None:
+                    problems.append(p)
+                    break
             if not torch.equal(got, w):
                 j = int((got != w).nonzero()[0])  # NaN != anything: found too
                 what = ("was never written (still NaN)" if got.isnan().all() else
@@ -157,6 +212,14 @@ def _all_gather_part(fns: dict, r: int, n: int) -> list[str]:
                                    if chunks[i] is not got else ""))
                 break
     return problems
+
+
+def _chunks_not_carried(where: str, t: torch.Tensor, own: torch.Tensor, came: list, n: int) -> str | None:
+    """Every chunk of the all-reduced `t` arrived in a message (or is own plus one)."""
+    for i, (got, mine) in enumerate(zip(t.reshape(-1).tensor_split(n), own.reshape(-1).tensor_split(n))):
+        if (p := _not_carried(f"{where}: chunk {i} of the result", got, mine, came)) is not None:
+            return p
+    return None
 
 
 # float32 from 1 element (fewer than ranks) to a prime number of them, a 2-D tensor, and
@@ -172,7 +235,9 @@ def _all_reduce_part(fns: dict, r: int, n: int) -> dict[str, list[str]]:
     for case, (dtype, shape) in enumerate(_ALL_REDUCE_CASES):
         t = _data(r, shape, dtype, 1000 + case)
         exact, scale = _oracle_sum(t)
+        own = t.clone()
         out = fns["all_reduce"](t)
+        came = _received()
         name = str(dtype).removeprefix("torch.")
         where = f"all_reduce of a {name} tensor of shape {tuple(shape)} on {n} ranks, rank {r}"
         p = _sum_problem(t, exact, scale, n, where)
@@ -180,6 +245,8 @@ def _all_reduce_part(fns: dict, r: int, n: int) -> dict[str, list[str]]:
                 and out.shape == t.shape and out.dtype == t.dtype
                 and _sum_problem(out, exact, scale, n, where) is None):
             p = f"{where}: returned the sum in a new tensor; it belongs in `tensor` itself"
+        if p is None and n > 1:
+            p = _chunks_not_carried(where, t, own, came, n)
         if p is not None:
             problems[name].append(p)
     return problems
@@ -190,38 +257,26 @@ def _all_reduce_part(fns: dict, r: int, n: int) -> dict[str, list[str]]:
 # minidist's modules for this exercise's idea: the learner's file may not name them
 # (exercises/_filecheck.py reads it before anything runs)
 IDEA_MODULES = ("minidist.comm",)
+_RING_RULE = ("in every part of exercise 02 a rank sends only to its right neighbour, (r+1) % N, "
+              "and receives only from its left neighbour, (r-1) % N: the ring of chapter 02")
+
+
+def _ring_neighbours(e, r: int, n: int):
+    """Exercise 02's rule on every message, judged as it is posted (exercises/_traffic.py)."""
+    if e.kind == "send" and e.peer != (r + 1) % n:
+        return f"a send from rank {r} to rank {e.peer}", _RING_RULE
+    if e.kind == "recv" and e.peer is None:
+        return f"a receive on rank {r} from any source", _RING_RULE
+    if e.kind == "recv" and e.peer != (r - 1) % n:
+        return f"a receive on rank {r} from rank {e.peer}", _RING_RULE
+    return None
+
+
 RULES = _rules.Rules(
     allowed=("send", "recv", "recv_anysource"),
     collective_rule="only dist.isend/irecv/send/recv may move data in exercise 02 (build the "
-                    "ring from point-to-point messages)")
-
-
-class _Watch:
-    def __init__(self):
-        self.sent = Counter()  # destination rank -> bytes sent to it
-
-
-@contextmanager
-def _count_sends():
-    """While the block runs, every send is counted per destination.
-
-    Patched on the ProcessGroup class, the one road all of torch.distributed's
-    point-to-point functions take (isend and send and batch_isend_irecv all call
-    group.send). Restored afterwards.
-    """
-    w, PG = _Watch(), dist.ProcessGroup
-    orig_send = PG.__dict__["send"]
-
-    def send(self, tensors, *args, **kwargs):
-        dst = args[0] if args else kwargs.get("dstRank")  # a group rank: the global rank here
-        w.sent[int(dst)] += sum(t.numel() * t.element_size() for t in tensors)
-        return orig_send(self, tensors, *args, **kwargs)
-
-    PG.send = send
-    try:
-        yield w
-    finally:
-        PG.send = orig_send
+                    "ring from point-to-point messages)",
+    on_traffic=_ring_neighbours)
 
 
 # One size every world size divides (each rank then sends exactly 2(N-1)/N * S) and one
@@ -230,14 +285,26 @@ _RING_SIZES = (1200, 4099)
 
 
 def _ring_part(fns: dict, r: int, n: int) -> dict:
+    """The bytes each rank sends, per destination (every send recorded below torch's
+    Python, exercises/_traffic.py), in a run whose sum is checked as well."""
     runs = []
     for case, size in enumerate(_RING_SIZES):
         t = _data(r, (size,), torch.float32, 2000 + case)
-        with _count_sends() as w:
-            fns["all_reduce"](t)
+        exact, scale = _oracle_sum(t)
+        own = t.clone()
+        _traffic.current().events.clear()
+        fns["all_reduce"](t)
+        sent = Counter()
+        for e in _traffic.current().events:
+            if e.kind == "send":
+                sent[e.peer] += e.sent
+        where = f"all_reduce of {size} float32 on {n} ranks, rank {r} (the run whose bytes are counted)"
+        came = _received()
+        carried = _chunks_not_carried(where, t, own, came, n) if n > 1 else None
+        problem = _sum_problem(t, exact, scale, n, where) or carried
         chunk_bytes = [len(c) * t.element_size() for c in t.tensor_split(n)]
-        runs.append({"size": size, "bytes": t.numel() * t.element_size(),
-                     "chunk_bytes": chunk_bytes, "sent": dict(w.sent)})
+        runs.append({"size": size, "bytes": t.numel() * t.element_size(), "chunk_bytes": chunk_bytes,
+                     "sent": dict(sent), "problem": problem, "carried": carried})
     return {"runs": runs}
 
 
@@ -290,7 +357,7 @@ def _run_part(part: str, fns: dict, r: int, n: int, timeout_s: float) -> tuple[s
     watchdog.start()
     w = None
     try:
-        with _rules.watching(RULES) as w:
+        with _rules.watching(RULES) as w, _traffic.recording(w, RULES):
             try:
                 outcome = "ok", _PARTS[part](fns, r, n)
             except NotImplementedError as e:
@@ -439,9 +506,11 @@ def _all_reduce_bf16(impl):
 
 @check("02", points=1, name="all_reduce moves data with isend/irecv/send/recv only")
 def _point_to_point_only(impl):
-    # every part runs under RULES; this one is the all_reduce the bytes are counted of
-    for _ in _per_world_size(impl, "ring"):
-        pass
+    # every part runs under RULES, and the recorder (exercises/_traffic.py) notes any other
+    # way of moving data it sees; this is the all_reduce the bytes are counted of, whose
+    # result must have arrived in the recorded messages
+    for _, per_rank in _per_world_size(impl, "ring"):
+        H.first_problem(run["carried"] for res in per_rank for run in res["runs"])
 
 
 @check("02", points=2, name="all_reduce is a ring: 2(N-1)/N*S bytes per rank, all to rank r+1")
@@ -449,6 +518,7 @@ def _ring_bytes(impl):
     for n, per_rank in _per_world_size(impl, "ring"):
         for case in range(len(_RING_SIZES)):
             runs = [res["runs"][case] for res in per_rank]
+            H.first_problem(run["problem"] for run in runs)  # the run that counts sums as well
             S, chunks = runs[0]["bytes"], runs[0]["chunk_bytes"]
             what = f"all_reduce of {runs[0]['size']} float32 ({S} bytes) on {n} ranks"
             for r, run in enumerate(runs):
@@ -482,19 +552,21 @@ HINTS = {
         "the scratch into its own copy of that chunk. A partial sum picks up one rank's "
         "contribution per hop.",
         "Choose the chunk index of each step from r and the step number k so that the last "
-        "chunk you add into is chunks[r]. Work it out for N=3 on paper: at step k rank r "
-        "sends chunk (r - k - 1) % N and adds what it receives into chunk (r - k - 2) % N.",
-        "Post both halves before waiting on either: works = [dist.irecv(buf, left), "
-        "dist.isend(chunk, right)], then w.wait() for each. If every rank calls a blocking "
-        "dist.send first, every rank waits for a receive nobody has posted (chapter 02, "
-        "section 2). Add in place (acc.add_(buf)): chunks[r] must stay the same tensor.",
+        "chunk rank r adds into is chunks[r]. Work it out for N=3 on paper: which chunk must "
+        "rank r send at the first step so that, travelling right and picking up one "
+        "contribution per hop, chunk r ends its trip at rank r?",
+        "Post both halves of a step before waiting on either (dist.irecv and dist.isend "
+        "return works to wait on). If every rank calls a blocking dist.send first, every rank "
+        "waits for a receive nobody has posted (chapter 02, section 2). Add into the chunk "
+        "in place: chunks[r] must stay the same tensor.",
     ],
     "_all_gather": [
         "N-1 steps again, copying, not adding: at each step send to the right the chunk "
         "you completed most recently (your own, chunks[r], at the first step) and receive "
         "the next one from the left.",
-        "At step k rank r sends chunk (r - k) % N and receives chunk (r - k - 1) % N. "
-        "Receive straight into chunks[(r - k - 1) % N]: no scratch tensor, nothing to add.",
+        "What a rank sends at a step is what it received at the step before (its own "
+        "chunk, complete since the reduce-scatter, at the first). Receive straight into the "
+        "list's tensor for that chunk: no scratch tensor, nothing to add.",
     ],
     "_all_reduce_fp32": [
         "tensor.view(-1) and the pieces torch.tensor_split cuts from it are views that share "

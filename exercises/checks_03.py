@@ -5,10 +5,12 @@ below. BucketedDDP runs where it must: in 2 and 3 processes started by
 minidist.launch.launch (gloo), one launch per world size for every part (see
 exercises/_harness.py). Its oracle is one process training the same model on the whole
 batch, computed on every rank alongside, step by step. While the wrapper runs, the grader
-records from the outside what it does: every all-reduce (patched on the ProcessGroup, the
-one road all of torch.distributed's all_reduce calls take: its size and whether it is
-asynchronous) and every gradient's completion (a post-accumulate-grad hook registered
-before the wrapper's own, so it fires first).
+records from the outside what it does: every all-reduce (seen by the part's recorder below
+torch.distributed's Python, exercises/_traffic.py, where every road to gloo meets: its size,
+whether it is asynchronous, and a copy of its buffer as it started, which must hold the
+bucket's gradients) and every gradient's completion (a post-accumulate-grad hook
+registered before the wrapper's own, so it fires first). Data moved any other way (a
+process group of the learner's own, the store, a backend object) scores the part 0.
 """
 
 from __future__ import annotations
@@ -165,10 +167,12 @@ def _sgd_step(model: nn.Module, momentum: dict, lr: float = 0.1, beta: float = 0
 
 class _Recorder:
     """Events of one backward, in order: ("grad", name) when a gradient is complete,
-    ("all_reduce", numel, async) when an all-reduce starts."""
+    ("all_reduce", numel, async) when an all-reduce starts (seen by the part's recorder,
+    below torch.distributed's Python: exercises/_traffic.py), and what each all-reduce
+    carried (a copy of its buffer as it started)."""
 
     def __init__(self):
-        self.events, self.on = [], False
+        self.events, self.carried, self.on = [], [], False
 
     def hook(self, name):
         def record(p):
@@ -176,22 +180,50 @@ class _Recorder:
                 self.events.append(("grad", name))
         return record
 
+    def _seen(self, e):
+        if self.on and e.kind == "all_reduce":
+            self.events.append(("all_reduce", sum(t.numel() for t in e.outputs), bool(e.async_)))
+            self.carried.append(torch.cat([t.reshape(-1) for t in e.data]) if e.data else None)
+
     def __enter__(self):
-        PG, rec = dist.ProcessGroup, self
-        self._orig = PG.__dict__["allreduce"]
-
-        def allreduce(pg, tensors, *args, **kwargs):
-            if rec.on:
-                opts = args[0] if args else kwargs.get("opts")
-                rec.events.append(("all_reduce", sum(t.numel() for t in tensors),
-                                   bool(getattr(opts, "asyncOp", False))))
-            return rec._orig(pg, tensors, *args, **kwargs)
-
-        PG.allreduce = allreduce
+        H.traffic().listeners.append(self._seen)
         return self
 
     def __exit__(self, *exc):
-        dist.ProcessGroup.allreduce = self._orig
+        H.traffic().listeners.remove(self._seen)
+
+
+def _not_carried(step: int, carried: list, buckets: list, local: dict, n: int) -> str | None:
+    """None when the all-reduces of a backward carried, between them, every bucket's
+    gradients: each one's buffer holds one bucket's local gradients (in any order within
+    it), as they were or divided by the world size; else what is wrong. Gradients that
+    reached p.grad another way than the recorded all-reduces show here."""
+    every = torch.cat([local[name].reshape(-1) for b in buckets for name in b]).double().sort().values
+    sent = [c for c in carried if c is not None]
+    if sent and sum(c.numel() for c in sent) == every.numel():  # however they were cut
+        got = torch.cat(sent).double().sort().values
+        if any(_close(got, every * s, rtol=1e-4, atol=1e-6) for s in (1.0, 1.0 / n)):
+            return None
+    want = [torch.cat([local[name].reshape(-1) for name in b]).sort().values for b in buckets]
+    matched = set()
+    for j, got in enumerate(carried):
+        if got is None:
+            continue
+        got = got.double().sort().values
+        for k, w in enumerate(want):
+            if k not in matched and got.numel() == w.numel() and any(
+                    _close(got, w.double() * s, rtol=1e-4, atol=1e-6) for s in (1.0, 1.0 / n)):
+                matched.add(k)
+                break
+    missing = [k for k in range(len(buckets)) if k not in matched]
+    if not missing:
+        return None
+    k = missing[0]
+    return (f"step {step}: no all-reduce of this backward carried bucket {k}'s gradients "
+            f"({', '.join(buckets[k][:3])}{', ...' if len(buckets[k]) > 3 else ''}): the grader "
+            "records every all-reduce with what its buffer held when it started, and each "
+            "bucket's must hold its parameters' gradients (this rank's own, or divided by the "
+            "world size). Gradients that reach p.grad any other way do not count")
 
 
 # --------------------------------------------------------------------- the parts, run on every rank
@@ -228,6 +260,8 @@ def _train_part(cap, fns: dict, r: int, n: int) -> dict:
     ddp = fns["BucketedDDP"](model, bucket_cap_mb=cap)
     _rules.scan_built(ddp, model)
     want_buckets = [sum(p.numel() for p in b) for b in expected_buckets(model, cap)]
+    label = {id(p): k for k, p in model.named_parameters()}
+    bucket_names = [[label[id(p)] for p in b] for b in expected_buckets(model, cap)]
     momenta = ({}, {})  # (oracle's, model's)
     per = BATCH // n
     out = {"problem": None, "steps": [], "buckets": want_buckets}
@@ -241,14 +275,16 @@ def _train_part(cap, fns: dict, r: int, n: int) -> dict:
         oracle(x, y).backward()
         want = {k: p.grad for k, p in oracle.named_parameters() if p.requires_grad}
         with rec:
-            rec.events, rec.on = [], True
+            rec.events, rec.carried, rec.on = [], [], True
             try:
                 ddp(xs, ys).backward()
             finally:
                 rec.on = False
         out["steps"].append(rec.events)
         got = {k: p.grad for k, p in model.named_parameters() if p.requires_grad}
-        problem = _grad_problem(step, names, got, want, local, n)
+        carried = _not_carried(step, rec.carried, bucket_names, local, n) if n > 1 else None
+        out["carried"] = out.get("carried") or carried
+        problem = _grad_problem(step, names, got, want, local, n) or carried
         if problem is not None:
             out["problem"] = problem
             return out
@@ -281,7 +317,7 @@ def _order_part(fns: dict, r: int, n: int) -> dict:
     for _ in range(2):
         x, y = torch.randn(4, 3, generator=g), torch.randn(4, 2, generator=g)
         with rec:
-            rec.events, rec.on = [], True
+            rec.events, rec.carried, rec.on = [], [], True
             try:
                 ddp(x, y).backward()
             finally:
@@ -385,6 +421,9 @@ def _one_per_bucket(impl):
         for n, per_rank in _part(impl, name, WORLD_SIZES if name == "several" else (2,)):
             for r, res in enumerate(per_rank):
                 want = res["buckets"]
+                if res.get("carried"):
+                    raise AssertionError(f"bucket_cap_mb={CAPS[name]}, on {n} ranks, rank {r}, "
+                                         + res["carried"])
                 for step, events in enumerate(res["steps"]):
                     got = [e[1] for e in events if e[0] == "all_reduce"]
                     where = f"bucket_cap_mb={CAPS[name]}, on {n} ranks, rank {r}, step {step}"
@@ -472,23 +511,24 @@ HINTS = {
         "(None: float('inf')) and the current bucket is not empty.",
     ],
     "_construction": [
-        "In __init__, before anything else: for every parameter and buffer, "
-        "dist.broadcast(t.data, src=0) inside torch.no_grad(). Buffers too: the grader's "
-        "model has one.",
+        "In __init__, before anything else, every rank must end with rank 0's values of "
+        "every parameter and every buffer (the grader's model has one): which collective "
+        "copies one rank's tensor to all the others? Write into the tensors without "
+        "autograd recording it.",
     ],
     "_several": [
-        "State to keep: self.buckets = make_buckets(...); per bucket a flat buffer "
-        "(torch.zeros of its total numel, the parameters' dtype) and per parameter a view of "
-        "it (buffer[offset:offset + numel].view_as(p)); a map from a parameter to (bucket "
-        "index, position); per bucket the set of positions ready and its work (None until "
-        "launched); the next bucket to launch; whether this backward's callback is queued.",
-        "The hook: queue self._end_of_backward once per backward "
-        "(torch.autograd.Variable._execution_engine.queue_callback), copy p.grad into its "
-        "view under torch.no_grad(), mark it ready, then launch what is full and next in line.",
-        "_end_of_backward: launch the buckets not yet launched (in order), then per bucket "
-        "work.wait(), buffer.div_(dist.get_world_size()) (all-reduce sums; the average is "
-        "wanted) and copy each view into p.grad; clear the ready sets, works and counters "
-        "for the next backward.",
+        "State to keep: the buckets; per bucket one flat buffer, with a view of it for each "
+        "of its parameters; where each parameter sits (its bucket, its position); which "
+        "parameters are ready in this backward; each bucket's work (none until launched); "
+        "the next bucket to launch; whether this backward's end-of-backward callback is "
+        "queued.",
+        "The hook runs once p.grad is complete: copy it into its view (autograd has no "
+        "business recording that), mark it ready, and launch what is full and next in line. "
+        "The first hook of a backward queues the end-of-backward callback on autograd's "
+        "engine (chapter 03, section 4 shows the call).",
+        "At the end of backward: launch what is left, in order; wait for every bucket; an "
+        "all-reduce sums, and the average is wanted; put each view's values into its "
+        "parameter's .grad; then reset what belongs to one backward.",
     ],
     "_extremes": [
         "bucket_cap_mb=None is one bucket of everything; 0 is one bucket per parameter. "
@@ -503,20 +543,21 @@ HINTS = {
     ],
     "_one_per_bucket": [
         "One all-reduce per bucket per backward, of the bucket's flat buffer (not one per "
-        "parameter, not the whole model at the end).",
+        "parameter, not the whole model at the end), holding the bucket's gradients when it "
+        "starts: the grader reads what each all-reduce carried.",
     ],
     "_launch_order": [
         "Gradients may complete in another order than the buckets assume. Keep the index "
         "of the next bucket to launch, and after each hook launch buckets only while the "
         "next one in line is full.",
-        "while self.next < len(buckets) and bucket self.next has all its parameters ready: "
-        "launch it, self.next += 1. A full bucket further on waits for the ones before it.",
+        "After each hook, launch buckets only while the one next in line is full, moving "
+        "the line on each time: a full bucket further on waits for the ones before it.",
     ],
     "_bucket_by_dtype": [
         "Run it twice on two fresh copies of the same model and compare: does anything in "
         "it depend on where the parameters live in memory?",
         "A Python set of objects without their own hash iterates in the order of their "
-        "addresses, different on every rank and run. Keep the parameters in a list, in "
-        "reverse registration order (module.parameters() already yields a tied weight once).",
+        "addresses, different on every rank and run. Where does bucket_by_dtype iterate one, "
+        "and what order does the docstring ask for instead?",
     ],
 }

@@ -6,9 +6,10 @@ is one process computing the mean loss of the whole global batch in one go, `mod
 on every rank alongside. Two wrong gradients are computed too, to say which mistake a
 wrong answer makes: the mean of per-micro-batch means, and a loss normalised by each
 rank's own token count. Under DDP (minidist's, bucketed, started by the grader) the
-grader records each all-reduce (patched on the ProcessGroup, the road every
-torch.distributed all_reduce takes) and which micro-step it fell in (a forward pre-hook
-on the GPT marks where each micro-step begins).
+grader records each all-reduce (seen below torch.distributed's Python, where every road to
+gloo meets: exercises/_traffic.py) and which micro-step it fell in (a forward pre-hook on
+the GPT marks where each micro-step begins). Data moved any other way (a process group of
+the learner's own, the store, a backend object) scores the part 0.
 """
 
 from __future__ import annotations
@@ -133,24 +134,29 @@ def _grad_problem(got: dict, oracles: dict, n: int) -> str | None:
 # --------------------------------------------------------------------- recording
 
 class _AllReduces:
-    """While active: the data pointer of each tensor all-reduced, and micro-step marks."""
+    """While active: the data pointer and size of each tensor all-reduced, and micro-step
+    marks. The all-reduces are seen by the part's recorder, below torch.distributed's
+    Python (exercises/_traffic.py)."""
 
     def __init__(self):
-        self.events = []
+        self.events, self.carried = [], []
+
+    def _seen(self, e):
+        if e.kind == "all_reduce":
+            self.events.extend(("all_reduce", t.data_ptr(), t.numel()) for t in e.outputs)
+            self.carried.append(([t.data_ptr() for t in e.outputs], e.data or []))
+
+    def theirs(self, buffers: set) -> list:
+        """What the learner's own all-reduces (not DDP's buckets) carried, flattened, in order."""
+        return [torch.cat([d.double().reshape(-1) for d in data]) if data else torch.zeros(0)
+                for ptrs, data in self.carried if not set(ptrs) & buffers]
 
     def __enter__(self):
-        PG, rec = dist.ProcessGroup, self
-        self._orig = PG.__dict__["allreduce"]
-
-        def allreduce(pg, tensors, *args, **kwargs):
-            rec.events.extend(("all_reduce", t.data_ptr(), t.numel()) for t in tensors)
-            return rec._orig(pg, tensors, *args, **kwargs)
-
-        PG.allreduce = allreduce
+        H.traffic().listeners.append(self._seen)
         return self
 
     def __exit__(self, *exc):
-        dist.ProcessGroup.allreduce = self._orig
+        H.traffic().listeners.remove(self._seen)
 
 
 # --------------------------------------------------------------------- the parts, run on every rank
@@ -184,13 +190,47 @@ def _result(fns, r, n, use_ddp: str) -> dict:
         with rec:
             loss = fns["accumulate"](model, micro, n, None)
         _no_gradients_communicated(rec, buffers, model)
-        allreduce_gradients_flat(model)  # what a caller without DDP does afterwards
+        with _rules.exempt():  # what a caller without DDP does afterwards: the grader's
+            allreduce_gradients_flat(model)
     try:
         out["loss"] = float(loss)
     except (TypeError, ValueError):
         out["loss"] = repr(loss)
     out["problem"] = _grad_problem({k_: p.grad for k_, p in model.named_parameters()}, oracles, n)
+    out["carried"] = _not_carried(rec.theirs(buffers), oracles["right"][1], n) if n > 1 else None
     return out
+
+
+def _not_carried(mine: list, mean_loss: float, n: int) -> str | None:
+    """None when the sums over ranks of what the learner's all-reduces carried (every
+    rank's recorded inputs, added here in the order the ranks issued them) hold the
+    global count of unmasked targets and the global loss (summed, or already divided);
+    else what is wrong: a count or a loss that reached the ranks another way shows here."""
+    everyone = [None] * n
+    with _rules.exempt():  # the grader's look at every rank's record
+        dist.all_gather_object(everyone, mine)
+    if len({len(e) for e in everyone}) != 1:
+        return (f"the ranks issued {[len(e) for e in everyone]} all-reduces of their own in "
+                "accumulate: every rank issues the same ones, in the same order")
+    sums = [sum(e[j] for e in everyone) for j in range(len(mine)) if all(
+        e[j].numel() == mine[j].numel() for e in everyone)]
+    values = torch.cat(sums) if sums else torch.zeros(0, dtype=torch.float64)
+    x, y = _batch()
+    count = float((y != -1).sum())
+    total = mean_loss * count
+
+    def found(*candidates):
+        return any(bool(((values - c).abs() <= 1e-5 * abs(c) + 1e-9).any()) for c in candidates)
+    if not found(count, count / n):
+        return (f"the global count of unmasked targets ({count:g}) is not among the sums of what "
+                f"your all-reduces carried (the grader adds up what every rank put in each one, "
+                f"{values.numel()} numbers): each rank counts its own targets, and the count "
+                "travels by dist.all_reduce")
+    if not found(total, total / n, mean_loss, mean_loss / n, total * n / count):
+        return ("the global batch's loss (summed or divided) is not among the sums of what your "
+                "all-reduces carried (the grader adds up what every rank put in each one): the "
+                "summed losses travel by dist.all_reduce too")
+    return None
 
 
 _OWN_GRADIENTS = ("exercise 04 never communicates gradients itself: they are the DDP's "
@@ -249,15 +289,15 @@ def _one_rank(impl):
 @check("04", points=2, name="2 ranks x 2 micro-steps under DDP: gradient == whole batch's")
 def _two_ranks_ddp(impl):
     for n, per_rank in _part(impl, "ddp", (2,)):
-        H.first_problem(f"{_where(n, ' under DDP')}, rank {r}: {res['problem']}" if res["problem"]
-                        else None for r, res in enumerate(per_rank))
+        H.first_problem(f"{_where(n, ' under DDP')}, rank {r}: {res['problem'] or res['carried']}"
+                        if res["problem"] or res.get("carried") else None for r, res in enumerate(per_rank))
 
 
 @check("04", points=1, name="2 ranks x 2 micro-steps, ddp=None, averaged after: gradient == whole batch's")
 def _two_ranks_plain(impl):
     for n, per_rank in _part(impl, "plain", (2,)):
-        H.first_problem(f"{_where(n, ' without DDP')}, rank {r}: {res['problem']}" if res["problem"]
-                        else None for r, res in enumerate(per_rank))
+        H.first_problem(f"{_where(n, ' without DDP')}, rank {r}: {res['problem'] or res['carried']}"
+                        if res["problem"] or res.get("carried") else None for r, res in enumerate(per_rank))
 
 
 @check("04", points=1, name="returns the global batch's mean loss per unmasked target, on every rank")
@@ -265,6 +305,9 @@ def _loss(impl):
     for part in ("plain", "ddp"):
         for n, per_rank in _part(impl, part, [n for n, parts in WORLD_SIZES.items() if part in parts]):
             for r, res in enumerate(per_rank):
+                if res.get("carried"):
+                    raise AssertionError(_where(n, " under DDP" if part == "ddp" else "")
+                                         + f", rank {r}: {res['carried']}")
                 got, want = res["loss"], res["want_loss"]
                 where = _where(n, " under DDP" if part == "ddp" else "") + f", rank {r}"
                 assert isinstance(got, float), f"{where}: returned {got}, want a Python float"
@@ -311,12 +354,11 @@ _NO_SYNC = (
     "accumulates locally and all-reduces nothing; the last backward, outside it, "
     "all-reduces the accumulated sums once.")
 _RECIPE = (
-    'accumulate: first N, the unmasked targets (y != -1) of your micro-batches, '
-    'summed over ranks with dist.all_reduce (a float tensor); then for each '
-    "micro-batch backward of its summed loss (reduction='sum') times world_size / "
-    'N, inside ddp.no_sync() for all but the last when ddp is given '
-    '(contextlib.nullcontext() otherwise); return the all-reduced sum of the summed'
-    ' losses over N, as a float')
+    "Two numbers need every rank: the count of unmasked targets of the global batch and "
+    "the sum of the summed losses. Each travels by one dist.all_reduce of a float tensor. "
+    "The count is needed before the first backward (it scales every micro-step); the loss "
+    "can be summed once the last backward is done. Which micro-steps run inside no_sync(), "
+    "and what stands in for it when there is no DDP?")
 
 HINTS = {
     "_one_rank": [_WEIGHT, _SCALE, _NO_SYNC, _RECIPE],

@@ -17,6 +17,7 @@ each rank injects its own overflows and the others must skip with it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import math
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from exercises import _harness as H
-from exercises import _rules
+from exercises import _rules, _traffic
 from exercises.grade import check
 
 FP32_MAX = torch.finfo(torch.float32).max
@@ -84,30 +85,11 @@ def _drive(scaler, pattern: str, seed: int = 0, rank: int = 0, record=None) -> l
     opt = SGD(params + [unused])
     rng = random.Random(seed)
     out = [] if record is None else record
+    traffic = _traffic.current()  # on the ranks: each step's collectives, labelled with t
     try:
         for t in range(len(pattern)):
-            kind = pattern[t] if isinstance(pattern, str) else pattern[t][rank]
-            coef = [(2 * torch.rand(s, generator=g) - 1) / 8 for s in SHAPES]
-            explicit, which, where = rng.random() < 0.5, rng.randrange(len(SHAPES)), rng.random()
-            loss = sum((c * p).sum() for c, p in zip(coef, params))  # d loss / d p = c, exactly
-            scaled = scaler.scale(loss)
-            rec = {"scaled": float(scaled.detach()), "unscaled": None}
-            scaled.backward()
-            if KINDS[kind] is not None:
-                grad = params[which].grad.view(-1)
-                grad[int(where * grad.numel())] = KINDS[kind]
-            if explicit:
-                scaler.unscale_(opt)
-                rec["unscaled"] = [p.grad.clone() for p in params]
-            before = opt.steps
-            scaler.step(opt)
-            rec["skipped"] = opt.steps == before
-            rec["grads"] = [p.grad.clone() for p in params]  # after step(): unscaled, once
-            scaler.update()
-            rec["scale"] = float(scaler.get_scale())
-            rec["params"] = [p.detach().clone() for p in params]
-            opt.zero_grad()
-            out.append(rec)
+            with traffic.phase_of(t) if traffic is not None else contextlib.nullcontext():
+                _drive_step(scaler, pattern, t, rank, g, params, opt, rng, out)
     except ValueError as e:  # a collective with no process group
         if "process group" in str(e) and not dist.is_initialized():
             raise AssertionError(
@@ -116,6 +98,32 @@ def _drive(scaler, pattern: str, seed: int = 0, rank: int = 0, record=None) -> l
                 "dist.get_world_size() > 1") from None
         raise
     return out
+
+
+def _drive_step(scaler, pattern, t, rank, g, params, opt, rng, out) -> None:
+    """Step t of _drive."""
+    kind = pattern[t] if isinstance(pattern, str) else pattern[t][rank]
+    coef = [(2 * torch.rand(s, generator=g) - 1) / 8 for s in SHAPES]
+    explicit, which, where = rng.random() < 0.5, rng.randrange(len(SHAPES)), rng.random()
+    loss = sum((c * p).sum() for c, p in zip(coef, params))  # d loss / d p = c, exactly
+    scaled = scaler.scale(loss)
+    rec = {"scaled": float(scaled.detach()), "unscaled": None}
+    scaled.backward()
+    if KINDS[kind] is not None:
+        grad = params[which].grad.view(-1)
+        grad[int(where * grad.numel())] = KINDS[kind]
+    if explicit:
+        scaler.unscale_(opt)
+        rec["unscaled"] = [p.grad.clone() for p in params]
+    before = opt.steps
+    scaler.step(opt)
+    rec["skipped"] = opt.steps == before
+    rec["grads"] = [p.grad.clone() for p in params]  # after step(): unscaled, once
+    scaler.update()
+    rec["scale"] = float(scaler.get_scale())
+    rec["params"] = [p.detach().clone() for p in params]
+    opt.zero_grad()
+    out.append(rec)
 
 
 # The exercise's rules, watched in every check and part while the learner's code runs
@@ -320,25 +328,71 @@ SHARD_CASES = [(".", "I"), ("N", "."), (".", "."), ("0", "-"), ("0", ".")]
 
 def _shards_part(fns, r, n) -> list:
     out = []
+    traffic = _traffic.current()
     for case, kinds in enumerate(SHARD_CASES):
         g = torch.Generator().manual_seed(100 * case + r)
         shards = [] if kinds[r] == "0" else [torch.randn(5, generator=g), torch.randn(3, generator=g)]
         if kinds[r] in KINDS and KINDS[kinds[r]] is not None:
             shards[1][1] = KINDS[kinds[r]]
         want = [t / 4.0 for t in shards]
-        skip = fns["unscale_shards"](shards, 4.0)
+        with traffic.phase_of(case):
+            skip = fns["unscale_shards"](shards, 4.0)
         unscaled = all(torch.allclose(a, b, rtol=0, atol=0, equal_nan=True) for a, b in zip(shards, want))
         out.append({"skip": skip, "unscaled": unscaled})
-    return out
+    flow = _verdict_not_carried(
+        traffic, [k[r] not in (".", "0") for k in SHARD_CASES], [k == (".", ".") for k in SHARD_CASES],
+        lambda c: f"2 ranks, case {c} ({', '.join(f'rank {q}: {k}' for q, k in enumerate(SHARD_CASES[c]))})")
+    return {"cases": out, "carried": flow}
 
 
 def _ranks_part(fns, r, n) -> dict:
     out = {}
+    traffic = _traffic.current()
     for label, (steps, kw) in RANKS.items():
+        traffic.events.clear()
         recs = _drive(fns["LossScaler"](**kw, min_scale=1.0), steps, seed=5, rank=r)
         out[label] = {"trajectory": _trajectory(recs),
-                      "params": torch.cat([p.reshape(-1) for p in recs[-1]["params"]])}
+                      "params": torch.cat([p.reshape(-1) for p in recs[-1]["params"]]),
+                      "carried": _verdict_not_carried(
+                          traffic, [s[r] != "." for s in steps], [s == ".." for s in steps],
+                          lambda t: f"2 ranks, {label}, step {t}")}
     return out
+
+
+def _signature(traffic, phase) -> list:
+    """What this rank put into its collectives in `phase`: [(kind, copy of the data)]."""
+    return [(e.kind, [d.reshape(-1) for d in (e.data or [])]) for e in traffic.events
+            if e.phase == phase and e.kind != "barrier"]
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(
+        ka == kb and len(da) == len(db) and all(
+            x.shape == y.shape and x.dtype == y.dtype
+            and torch.allclose(x.double(), y.double(), rtol=0, atol=0, equal_nan=True)
+            for x, y in zip(da, db))
+        for (ka, da), (kb, db) in zip(a, b))
+
+
+def _verdict_not_carried(traffic, overflowed: list, clean: list, where) -> str | None:
+    """None when, at every step (or case) where this rank's own gradients overflowed, what
+    it put into its collectives differs from what it puts in at a step where no rank's did:
+    otherwise the other ranks cannot have learnt of its overflow from the recorded
+    collectives (exercises/_traffic.py), and a verdict that agrees all the same came
+    another way. Also: a collective at every step, with a process group of 2 ranks."""
+    quiet = [_signature(traffic, t) for t, c in enumerate(clean) if c]
+    for t, over in enumerate(overflowed):
+        mine = _signature(traffic, t)
+        if not mine:
+            return (f"{where(t)}: this rank issued no collective: with a process group of more "
+                    "than one rank every rank issues the same collectives every step, overflow or "
+                    "not (the grader records them below torch.distributed's Python)")
+        if over and any(_same(mine, q) for q in quiet):
+            return (f"{where(t)}: this rank's gradients overflowed, yet what it put into its "
+                    "collectives is what it puts in when no gradient overflows: the other rank "
+                    "cannot have learnt of it from them. The verdict travels in the recorded "
+                    "collectives (a flag, all-reduced), not another way")
+    return None
 
 
 def _preflight(cls) -> str | None:
@@ -467,6 +521,71 @@ def _nonfinite(impl):
     _compare(label, pattern, _trajectory(_drive(_new(impl, **kw), pattern)), want, kw)
 
 
+def _misuse(scaler) -> dict:
+    """GradScaler's behaviour on two misuses, recorded: a second unscale_() in one step
+    (GradScaler raises RuntimeError and divides nothing), and update() with no verdict since
+    the last update() (GradScaler raises: no inf check was recorded); then one more clean
+    step, which must go on as if neither had happened."""
+    g = torch.Generator().manual_seed(11)
+    p = torch.nn.Parameter(torch.randn(4, 3, generator=g))
+    opt = SGD([p])
+    out = {}
+
+    def attempt(fn):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - which error, exactly, is the point
+            return type(e).__name__
+        return None
+    c = torch.rand(4, 3, generator=g)
+    scaler.scale((c * p).sum()).backward()
+    scaler.unscale_(opt)
+    once = p.grad.clone()
+    out["second"] = attempt(lambda: scaler.unscale_(opt))
+    out["divided_again"] = not torch.equal(p.grad, once)
+    scaler.step(opt)
+    scaler.update()
+    before = float(scaler.get_scale())
+    out["bare"] = attempt(scaler.update)
+    out["moved"] = float(scaler.get_scale()) != before
+    scaler.scale((c * p).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    out["after"] = (float(scaler.get_scale()), p.detach().clone())
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _gradscaler_misuse():
+    with _rules.exempt():
+        return _misuse(torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2))
+
+
+@check("05", points=1, name="misuse refused as GradScaler does: a second unscale_() in a step, "
+                            "update() without a verdict")
+def _misuse_check(impl):
+    want = _gradscaler_misuse()
+    assert want["second"] == "RuntimeError" and want["bare"] == "AssertionError"  # the oracle itself
+    got = _misuse(_new(impl, init_scale=2.0**10, growth_interval=2))
+    assert got["second"] == "RuntimeError" and not got["divided_again"], (
+        "a second unscale_(optimizer) in the same step "
+        + ("raised nothing" if got["second"] is None else f"raised {got['second']}")
+        + (" and divided the gradients again" if got["divided_again"] else "")
+        + ": GradScaler raises RuntimeError (unscale_() was already called since the last "
+        "update()) and leaves the gradients as they are; a gradient divided by S twice is a "
+        "silent error")
+    assert got["bare"] in ("RuntimeError", "AssertionError") and not got["moved"], (
+        "update() with no unscale_() or step() since the last update() "
+        + ("raised nothing" if got["bare"] is None else f"raised {got['bare']}")
+        + (" and moved S" if got["moved"] else "")
+        + ": there is no verdict to act on, and GradScaler refuses (it raises, S unchanged); "
+        "counting it as a clean step would grow S on a step that never happened")
+    s, params = got["after"]
+    assert s == want["after"][0] and torch.equal(params, want["after"][1]), (
+        f"after the refused calls, one more clean step leaves S = {s:g} (GradScaler: "
+        f"{want['after'][0]:g}) or other parameters: a refused call changes nothing")
+
+
 # min_scale, by hand: (arguments, pattern; the last step must raise, S after the others)
 MIN_SCALE = [
     (dict(init_scale=12.0, min_scale=8.0), "II", [8.0]),  # 12 * 0.5 = 6, held at 8
@@ -557,13 +676,15 @@ def _ranks(impl):
                     raise AssertionError(f"{where}: (skipped, S) is {g}, want {w}")
             a, b = (res[label]["params"] for res in per_rank)
             assert torch.equal(a, b), f"2 ranks, {label}: the ranks' parameters differ at the end"
+            H.first_problem(f"rank {r}, {res[label]['carried']}" if res[label]["carried"] else None
+                            for r, res in enumerate(per_rank))
 
 
 @check("05", points=2, name="find the bug: unscale_shards gives every rank the same verdict (sharded gradients)")
 def _unscale_shards(impl):
     for _, per_rank in H.per_world_size(_results(impl), "shards", (2,)):
         for case, kinds in enumerate(SHARD_CASES):
-            got = [res[case] for res in per_rank]
+            got = [res["cases"][case] for res in per_rank]
             want = any(k in KINDS and KINDS[k] is not None for k in kinds)
             held = ", ".join(f"rank {r}: " + ("no shard" if k == "0" else
                                               "clean shards" if k == "." else f"a shard with {k}")
@@ -575,29 +696,37 @@ def _unscale_shards(impl):
                     f"2 ranks ({held}): rank {r} says skip={res['skip']}, want {want} on every "
                     "rank. A rank sees only its own shard: if it decides alone, one rank skips "
                     "the step and the other takes it, and their parameters drift apart")
+        H.first_problem(f"rank {r}, {res['carried']}" if res["carried"] else None
+                        for r, res in enumerate(per_rank))
 
 
 # hints that several checks share
 _HINT_UNSCALE = (
-    "unscale_: grads = [p.grad for g in optimizer.param_groups for p in g['params']"
-    ' if p.grad is not None]; g.div_(S) for each (or torch._foreach_mul_(grads, 1 /'
-    ' S)); flag = torch.tensor([0. if all(torch.isfinite(g).all() for g in grads) '
-    'else 1.]); if dist.is_initialized() and dist.get_world_size() > 1: '
-    'dist.all_reduce(flag, op=dist.ReduceOp.MAX); remember bool(flag.item())')
+    "unscale_: divide, in place, every gradient the optimizer's param groups hold; decide "
+    "the verdict from all of them (torch.isfinite says no to inf, -inf and NaN alike); "
+    "with a process group of more than one rank, agree on it in one collective every rank "
+    "issues every step, where any rank's overflow wins (a flag, ReduceOp.MAX); remember "
+    "that this step is unscaled (a second call refuses).")
 _HINT_STEP = (
-    'step: call self.unscale_(optimizer) unless it already ran this step; then '
-    'return optimizer.step() if the verdict is clean, else return None without '
-    'touching the optimizer')
+    "step: unscale first if this step is not unscaled yet; then step the optimizer only on "
+    "a clean verdict, and on an overflow leave it alone altogether (no step() call).")
 _HINT_UPDATE = (
-    'update: on overflow, streak += 1 and tracker = 0, and once streak >= '
-    'hysteresis raise FloatingPointError if S <= min_scale (say what to try), else '
-    'S = max(S * backoff_factor, min_scale); on a clean step, streak = 0 and '
-    'tracker += 1, and when tracker == growth_interval grow S unless S * '
-    'growth_factor > torch.finfo(torch.float32).max, and tracker = 0. Then reset '
-    'the verdict for the next step')
+    "update: no verdict since the last update means nothing to act on: refuse. An overflow "
+    "lengthens the streak and restarts the growth count; once the streak has reached "
+    "hysteresis, back off (never below min_scale, and already there: a FloatingPointError "
+    "that says what to try). A clean step ends the streak and counts towards growth; a "
+    "growth restarts the count, and is refused above float32's largest value. Then forget "
+    "the verdict.")
 
 # Tiered hints, shown one at a time by `python -m exercises.grade 05 --hint`.
 HINTS = {
+    "_misuse_check": [
+        "GradScaler refuses two misuses before changing anything: a second unscale_() before "
+        "update() (the gradients would be divided by S twice: RuntimeError), and update() "
+        "with no unscale_() or step() since the last update() (there is no verdict to act "
+        "on). What must the scaler remember between its calls to tell?",
+        _HINT_UPDATE,
+    ],
     "_scale_unscale": [
         'LossScaler.__init__: keep the scale (float(init_scale)), the growth tracker '
         "and the overflow streak (both 0), and this step's verdict (None until unscale_"

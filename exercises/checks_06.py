@@ -12,13 +12,21 @@ computed on rank 0 in a part of its own.
 
 What each rank holds is measured from the outside, not asked of the optimizer: the
 grader hands it an optimizer class that records every instance made (so the state of
-whatever inner optimizer it builds is counted), registers its own post-accumulate-grad
-hooks before the optimizer's (they fire first, and count the full-size gradients alive
-at each moment of backward), and collects the storages of every gradient left after
-the step. The expected sizes come from the layout the exercise prescribes, written out
-here (_layout): the units' padded lengths, and which of its elements each rank owns.
-Bytes on the wire are counted with minidist.comm.count_bytes in the parts that run
-collectives="minidist".
+whatever inner optimizer it builds is counted), walks every tensor the learner's
+optimizer can reach (exercises/_measure.py: its attributes, the inner optimizers, the
+model's parameters with their hooks, the learner's module globals; state kept anywhere
+counts, not only self.state), registers its own post-accumulate-grad hooks before the
+optimizer's (they fire first, and count the full-size gradients alive at each moment of
+backward), and collects the storages of every gradient left after backward and after the
+step. The expected sizes come from the layout the exercise prescribes, written out here
+(_layout): the units' padded lengths, and which of its elements each rank owns.
+
+Every collective and message is recorded below torch.distributed's Python
+(exercises/_traffic.py): the bytes on the wire of the collectives="minidist" parts are the
+point-to-point messages recorded while backward ran (the reduce-scatters) and in step (the
+all-gathers); in the collectives="torch" parts each backward's reduce-scatters must carry
+this rank's own gradients (computed alongside on a copy of the model at the same weights);
+a model whose backward completes its units out of index order shows the reduce order.
 """
 
 from __future__ import annotations
@@ -33,10 +41,11 @@ import torch
 import torch.distributed as dist
 
 from exercises import _harness as H
-from exercises import _rules
+from exercises import _measure, _rules
 from exercises.grade import check
 
 WORLD_SIZES = (2, 3)
+STATE_SLACK = 1024  # bytes of small tensors an optimizer may keep besides its state
 TIMEOUT_S = 20.0  # a rank that waits this long for the others is hung; tests lower it
 HANG_HINT = ("Every rank must issue the same reduce-scatters and all-gathers, of the same "
              "sizes, in the same order, and wait only for what it started.")
@@ -81,10 +90,11 @@ def _model():
 
 def _groups(model, opt: str = "adamw") -> list[dict]:
     """Three param groups: matrices with weight decay (the frozen one among them, as a
-    user might pass it), vectors without, and the final LayerNorm's at half the learning
-    rate: a group that lands at the end of a unit, so that some ranks hold none of it."""
+    user might pass it), vectors without, and the final LayerNorm's gain at half the
+    learning rate: a group that lands at the end of a unit, so that some ranks hold none
+    of it (on 2 ranks and on 3)."""
     params = list(model.parameters())  # the tied embedding/head once
-    last = {id(p) for p in model.ln_f.parameters()}
+    last = {id(model.ln_f.weight)}
     return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
             {"params": [p for p in params if p.dim() < 2 and id(p) not in last], "weight_decay": 0.0},
             {"params": [p for p in params if id(p) in last], "weight_decay": 0.0,
@@ -99,16 +109,13 @@ def _batch(step: int):
 
 @functools.lru_cache(maxsize=None)
 def _layout(n: int) -> dict:
-    """The exercise's layout, written out: trainable parameters in the order of the
-    groups, each once, reversed, cut where the next would take a unit over the cap; each
+    """The exercise's layout, written out: trainable parameters in registration order,
+    each once, reversed, cut where the next would take a unit over the cap; each
     unit padded to a multiple of n. psi: trainable elements; padded: all units' lengths;
     owned[r]: the elements of rank r's shards that hold parameters (not padding)."""
-    ordered, seen = [], set()
-    for g in _groups(_model()):
-        for p in g["params"]:
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                ordered.append(p)
+    # the grader passes module=model: the units follow the registration order (a tied
+    # weight once); the param groups order the parameters only within a unit
+    ordered = [p for p in _model().parameters() if p.requires_grad]
     cap, units, size = CAP_MB * 2**20, [[]], 0
     for p in reversed(ordered):
         if units[-1] and size + 4 * p.numel() > cap:
@@ -200,13 +207,16 @@ def _oracle_part(fns, r: int, n: int):
 
 
 def _train_part(name: str, fns, r: int, n: int) -> dict:
-    from minidist.comm import count_bytes
     from minidist.ddp import allreduce_gradients_flat
     s = SPECS[name]
     H.skip_dynamo_import()
+    traffic = H.traffic()
     model = _model()
     named = dict(model.named_parameters())
     trainable = [p for p in model.parameters() if p.requires_grad]
+    params_at = _measure.storages(model.parameters())
+    cls, made = _recording(s["opt"])
+    holds = _Holdings(model, made)
     peak = [0]
 
     def alive(_):  # a gradient is complete: count the full-size ones held right now
@@ -214,36 +224,138 @@ def _train_part(name: str, fns, r: int, n: int) -> dict:
 
     for p in trainable:  # before the optimizer's hooks: ours fire first
         p.register_post_accumulate_grad_hook(alive)
-    cls, made = _recording(s["opt"])
     opt = fns["ShardedOptimizer"](_groups(model, s["opt"]), cls, stage=s["stage"],
                                   reduce_gradients=s["reduce"], bucket_cap_mb=CAP_MB,
-                                  collectives=s["collectives"], **OPTIMIZERS[s["opt"]][1])
+                                  collectives=s["collectives"], module=model,
+                                  **OPTIMIZERS[s["opt"]][1])
+    holds.opt = opt
     _rules.scan_built(model, opt)
-    out = {"after_backward": [], "grad_bytes": None}
+    out = {"after_backward": [], "grad_bytes": None, "carried": None}
     per = B // n
     m = per // s["accum"]
-    with count_bytes() as sent:
-        for step in range(STEPS):
-            x, y = _batch(step)
-            x, y = x[r * per:(r + 1) * per], y[r * per:(r + 1) * per]
-            if step == STEPS - 1:  # a scheduler's move, through the sharded optimizer
-                for g in opt.param_groups:
-                    g["lr"] /= 2
-            for i in range(s["accum"]):
-                last = i == s["accum"] - 1
+    shadow = _model() if s["collectives"] == "torch" and n > 1 else None
+    for step in range(STEPS):
+        x, y = _batch(step)
+        x, y = x[r * per:(r + 1) * per], y[r * per:(r + 1) * per]
+        if step == STEPS - 1:  # a scheduler's move, through the sharded optimizer
+            for g in opt.param_groups:
+                g["lr"] /= 2
+        if shadow is not None:  # this rank's own gradients, at the weights the model has now
+            with torch.no_grad():
+                for a, b_ in zip(shadow.parameters(), model.parameters()):
+                    a.copy_(b_)
+        micro = []  # the shadow's gradients of each micro-step
+        for i in range(s["accum"]):
+            last = i == s["accum"] - 1
+            xi, yi = x[i * m:(i + 1) * m], y[i * m:(i + 1) * m]
+            with traffic.phase_of(("backward", step, i)):
                 with contextlib.nullcontext() if last or not s["reduce"] else opt.no_sync():
-                    (model(x[i * m:(i + 1) * m], y[i * m:(i + 1) * m])[1] / s["accum"]).backward()
-                out["after_backward"].append([k for k, p in named.items() if p.grad is not None])
-            if not s["reduce"]:  # ZeroRedundancyOptimizer's contract: averaged beforehand
+                    (model(xi, yi)[1] / s["accum"]).backward()
+            out["after_backward"].append([k for k, p in named.items() if p.grad is not None])
+            out.setdefault("held_after_backward", []).append(holds.gradient_bytes())
+            if shadow is not None:
+                shadow.zero_grad(set_to_none=True)
+                (shadow(xi, yi)[1] / s["accum"]).backward()
+                micro.append([p.grad.clone() for p in shadow.parameters() if p.grad is not None])
+        if shadow is not None and s["reduce"] and out["carried"] is None:
+            out["carried"] = _not_carried(traffic, step, micro, s["stage"])
+        if not s["reduce"]:  # ZeroRedundancyOptimizer's contract: averaged beforehand
+            with _rules.exempt():  # by the grader
                 allreduce_gradients_flat(model)
+        with traffic.phase_of(("step", step)):
             opt.step()
-            if step == STEPS - 1:
-                out["grad_bytes"] = _grad_bytes(made, trainable)
-            opt.zero_grad()
+        if step == STEPS - 1:
+            out["grad_bytes"] = max(_grad_bytes(made, trainable), holds.gradient_bytes())
+        opt.zero_grad()
+    sent = {"reduce_scatter": 0, "all_gather": 0, "inside no_sync": 0}
+    for e in traffic.events:
+        if e.kind == "send":
+            early = e.phase[0] == "backward" and e.phase[2] < s["accum"] - 1 and s["stage"] == 1
+            sent["inside no_sync" if early else
+                 "reduce_scatter" if e.phase[0] == "backward" else "all_gather"] += e.sent
+        elif e.kind not in ("recv", "barrier"):
+            sent[f"{e.kind} (torch.distributed)"] = sent.get(f"{e.kind} (torch.distributed)", 0) + e.sent
     out.update(params=[p.detach().clone() for p in model.parameters()], peak=peak[0],
-               state_bytes=_state_bytes(made), inner=len(made), sent=dict(sent),
-               lrs=[g.get("lr") for g in opt.param_groups])
+               state_bytes=_state_bytes(made), inner=len(made), sent=sent,
+               reachable_state=holds.state_bytes(), lrs=[g.get("lr") for g in opt.param_groups])
+    del params_at
     return out
+
+
+class _Holdings:
+    """What the learner's optimizer holds, found by walking every reference it (and the
+    model's parameters, their hooks, and the learner's module) can reach
+    (exercises/_measure.py), not by asking it: the parameters' own storages left out,
+    split into gradients (what a parameter's .grad, or an inner optimizer's parameter's
+    .grad, lives in) and the rest (optimizer state, wherever it is kept)."""
+
+    def __init__(self, model, made):
+        self.model, self.made, self.opt = model, made, None
+
+    def _found(self) -> dict:
+        roots = [self.opt, *self.made, *self.model.parameters()]
+        mods = {type(self.opt).__module__} if self.opt is not None else set()
+        found = _measure.reachable(roots, modules=mods)
+        params = _measure.storages(self.model.parameters())
+        return {k: v for k, v in found.items() if k not in params}
+
+    def _grads(self) -> set:
+        grads = [p.grad for p in self.model.parameters()]
+        grads += [v.grad for o in self.made for g in o.param_groups for v in g["params"]]
+        return _measure.storages(grads)
+
+    def _state(self) -> set:
+        return _measure.storages(v for o in self.made for st in o.state.values()
+                                 for v in st.values() if torch.is_tensor(v))
+
+    def state_bytes(self) -> int:
+        """Bytes of tensors reachable that hold neither parameters nor gradients (0-dim
+        ones, such as AdamW's step counters, left out)."""
+        grads = self._grads()
+        return sum(nbytes for k, (nbytes, t) in self._found().items()
+                   if k not in grads and t.dim() > 0)
+
+    def gradient_bytes(self) -> int:
+        """Bytes of tensors reachable that hold neither parameters nor the inner
+        optimizers' state (0-dim ones left out): gradients, wherever they are kept."""
+        state = self._state()
+        return sum(nbytes for k, (nbytes, t) in self._found().items()
+                   if k not in state and t.dim() > 0)
+
+
+def _not_carried(traffic, step: int, micro: list, stage: int) -> str | None:
+    """None when the reductions recorded while the backwards of `step` ran (below
+    torch.distributed's Python, exercises/_traffic.py) carried this rank's own gradients of
+    every trainable parameter: `micro` holds them per micro-step (a copy of the model at
+    the same weights, on the same micro-batches). Each micro-step's reductions carry its
+    gradients (any order, plus the units' zero padding), or, at stage 1, the last one's
+    carry their sum (accumulated under no_sync()). Gradients averaged some other way than
+    the recorded reduce-scatters (or all-reduces) show here."""
+    def sent(i):
+        return [d.reshape(-1) for e in traffic.events if e.phase == ("backward", step, i)
+                and e.kind in ("reduce_scatter", "all_reduce") for d in (e.data or [])]
+
+    def holds(got: list, want: list) -> bool:
+        if not got:
+            return False
+        got, want = torch.cat(got), torch.cat([g.reshape(-1) for g in want])
+        pad = got.numel() - want.numel()
+        return pad >= 0 and _close(got.sort().values, torch.cat([want, want.new_zeros(pad)]).sort().values,
+                                   rtol=1e-4, atol=1e-6)
+    k = len(micro)
+    if all(holds(sent(i), micro[i]) for i in range(k)):
+        return None
+    if stage == 1 and holds(sent(k - 1), [sum(gs) for gs in zip(*micro)]):
+        return None
+    where = f"step {step}"
+    if not any(sent(i) for i in range(k)):
+        return (f"{where}: no reduce-scatter was recorded while backward ran, though the gradients "
+                "must be averaged over ranks: with collectives='torch' through torch.distributed's "
+                "reduce-scatter, on self.group")
+    return (f"{where}: the reduce-scatters recorded while backward ran carried values that are not "
+            "this rank's gradients of the trainable elements (and the padding's zeros): the grader "
+            "records what each reduce-scatter sends, and the units' local gradients must be in it. "
+            "Gradients averaged any other way do not count")
 
 
 # The exercise's rules, watched in every part while the learner's code runs
@@ -279,6 +391,40 @@ def _zero_redundancy_part(fns, r: int, n: int) -> dict:
             _rules.scan_built(model, opt)
         out[who] = [p.detach().clone() for p in model.parameters()]
     return out
+
+
+def _reference_sharded_optimizer():
+    from minidist.zero import ShardedOptimizer
+
+    class ReferenceShardedOptimizer(ShardedOptimizer):
+        """minidist.zero.ShardedOptimizer, its units' reduce-scatters started in unit index
+        order at stage 2 (a complete unit waits for the ones before it), as exercise 06
+        requires (chapter 03's rule: ranks pair collectives by the order they are issued).
+        minidist's own starts each unit as soon as it is complete."""
+
+        def _on_grad(self, p) -> None:
+            if self._no_sync:
+                return
+            if not self._queued:  # once per backward
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+                self._queued, self._started = True, 0
+            self._unit_of[p].ready += 1
+            while (self.stage >= 2 and self._started < len(self.units)
+                   and self.units[self._started].ready == len(self.units[self._started].params)):
+                self._reduce(self.units[self._started])
+                self._started += 1
+
+        def _end_of_backward(self) -> None:
+            for u in self.units[getattr(self, "_started", 0) if self.stage >= 2 else 0:]:
+                self._reduce(u)  # in index order, the same on every rank
+            self._started = len(self.units)
+            self.finish_gradient_synchronization()
+
+    ReferenceShardedOptimizer.__qualname__ = "ReferenceShardedOptimizer"
+    return ReferenceShardedOptimizer
+
+
+ReferenceShardedOptimizer = _reference_sharded_optimizer()
 
 
 class ReferenceGradAccumulator:
@@ -326,13 +472,63 @@ def _accumulator_part(fns, r: int, n: int) -> dict:
     return out
 
 
+class Scrambled(torch.nn.Module):
+    """Registered a, b, c; forward uses c, then b, then a: backward completes a's gradient
+    first and c's last. With one unit per parameter (cap 0: units in reverse registration
+    order, c, b, a) the units complete in the order 2, 1, 0. Their sizes differ (12, 20,
+    10 elements), so the order of the reduce-scatters shows in their sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(5, 2, bias=False)
+        self.b = torch.nn.Linear(4, 5, bias=False)
+        self.c = torch.nn.Linear(3, 4, bias=False)
+
+    def forward(self, x):
+        return self.a(torch.tanh(self.b(torch.tanh(self.c(x))))).square().mean()
+
+
+def _order_part(fns, r: int, n: int) -> dict:
+    """Stage 2, one unit per parameter, a model whose backward completes the units out of
+    index order: the reduce-scatters in the order they were issued (their input sizes),
+    the units' sizes in index order, and the order backward completed them."""
+    H.skip_dynamo_import()
+    torch.manual_seed(0)
+    model = Scrambled()
+    done = []
+    names = {id(p): k for k, p in model.named_parameters()}
+    for p in model.parameters():  # before the optimizer's hooks: ours fire first
+        p.register_post_accumulate_grad_hook(lambda p: done.append(names[id(p)]))
+    opt = fns["ShardedOptimizer"](list(model.parameters()), _fast("SGD"), stage=2, bucket_cap_mb=0,
+                                  collectives="torch", lr=0.1)
+    _rules.scan_built(model, opt)
+    traffic = H.traffic()
+    g = torch.Generator().manual_seed(7 + r)
+    out = {"issued": [], "completed": []}
+    for step in range(2):
+        done.clear()
+        with traffic.phase_of(("backward", step)):
+            model(torch.randn(4, 3, generator=g)).backward()
+        out["issued"].append([sum(t.numel() for t in e.data or []) for e in traffic.events
+                              if e.kind in ("reduce_scatter", "all_reduce")
+                              and e.phase == ("backward", step)])
+        out["completed"].append(list(done))
+        opt.step()
+        opt.zero_grad()
+    # the units' sizes in index order: reverse registration order, each padded to n
+    out["units"] = [-(-p.numel() // n) * n for p in reversed(list(model.parameters()))]
+    return out
+
+
 PARTS = {"oracle": _oracle_part, "zero1": functools.partial(_train_part, "zero1"),
          "zero_redundancy": _zero_redundancy_part,
          **{k: functools.partial(_train_part, k)
-            for k in SPECS if k != "zero1"}}
-# ZeroRedundancyOptimizer at 2 ranks; the oracle first, then ZeRO-1's parts, then ZeRO-2's
-# (a part that crashes or hangs stops its launch: ZeRO-1's marks do not wait on ZeRO-2)
-PLAN = {n: [p for p in PARTS if n == 2 or p != "zero_redundancy"] for n in WORLD_SIZES}
+            for k in SPECS if k != "zero1"},
+         "order": _order_part}
+# ZeroRedundancyOptimizer and the reduce order at 2 ranks; the oracle first, then ZeRO-1's
+# parts, then ZeRO-2's (a part that crashes or hangs stops its launch: ZeRO-1's marks do
+# not wait on ZeRO-2)
+PLAN = {n: [p for p in PARTS if n == 2 or p not in ("zero_redundancy", "order")] for n in WORLD_SIZES}
 
 
 class _NoOptimizer:
@@ -450,7 +646,8 @@ def _equivalence(impl, parts):
                 problem += (". And p.grad was still set after backward: the next micro-step's "
                             "gradient adds to it, and the old gradient is reduced a second time. "
                             "Free the full gradients (p.grad = None) once copied out")
-            H.first_problem([problem])
+            H.first_problem([problem] + [f"on {n} ranks, rank {r}, {_describe(name)}, {res['carried']}"
+                                         if res.get("carried") else None for r, res in enumerate(per_rank)])
 
 
 # --------------------------------------------------------------------- the checks
@@ -497,8 +694,16 @@ def _state_memory(impl):
             where = f"on {n} ranks, rank {r}, {_describe('zero1')}"
             assert res["inner"] >= 1, \
                 f"{where}: optimizer_class was never called: build the inner optimizer with it"
-            if lo <= got <= hi:
+            held = res["reachable_state"]
+            if lo <= got <= hi and held <= hi + STATE_SLACK:
                 continue
+            if lo <= got <= hi:
+                raise AssertionError(
+                    f"{where}: tensors your optimizer can reach hold {held} bytes that are "
+                    f"neither parameters nor gradients (the grader walks every reference from it, "
+                    f"the model's parameters and their hooks, and your module's globals); the "
+                    f"state of this rank's shard is at most 8 x padded/N = {hi} bytes. State kept "
+                    "anywhere, not only in the inner optimizer's self.state, counts")
             whole = " (that of the whole model: build the inner optimizer on this rank's shard " \
                     "views only)" if got >= 8 * lay["psi"] else ""
             raise AssertionError(
@@ -535,6 +740,14 @@ def _grad_memory(impl):
                         f"{', ...' if len(kept) > 3 else ''}): "
                         "ZeRO-2 keeps only the gradient shard; set p.grad = None once the unit's "
                         "gradients are copied out for the reduce-scatter")
+                for i, held in enumerate(res["held_after_backward"]):
+                    assert held <= 4 * lay["padded"] // n + STATE_SLACK, (
+                        f"{where}: when backward {i + 1} returned, tensors your optimizer can reach "
+                        f"held {held} bytes of gradients (the grader walks every reference from it, "
+                        "the model's parameters and their hooks, and your module's globals, and "
+                        "counts what holds neither parameters nor optimizer state); ZeRO-2 keeps "
+                        f"only the gradient shards, 4 x padded/N = {4 * lay['padded'] // n} bytes: "
+                        "no full-size gradient, nor a copy of one, once its unit is reduced")
                 limit = lay["psi"] // 2
                 assert res["peak"] <= limit, (
                     f"{where}: at one moment of backward {res['peak']} of the {lay['psi']} "
@@ -565,10 +778,18 @@ def _bytes(impl):
                     continue
                 where = f"on {n} ranks, rank {r}, {_describe(name)}, {STEPS} steps"
                 hint = ""
-                if not got:
+                if any("torch.distributed" in k for k in got):
+                    hint = (": torch.distributed's collectives were called. With "
+                            "collectives='minidist' call comm.reduce_scatter and comm.all_gather "
+                            "(the ring of chapter 02, point-to-point messages)")
+                elif not got:
                     hint = (": nothing went through minidist.comm. With collectives='minidist' "
                             "call comm.reduce_scatter and comm.all_gather")
-                elif got.get("all_reduce"):
+                elif got.get("inside no_sync"):
+                    hint = (": messages went out while backward ran inside no_sync(). Inside "
+                            "no_sync() stage 1 reduces nothing: the last micro-step reduces the "
+                            "accumulated gradients once")
+                elif got.get("reduce_scatter", 0) >= 2 * each:
                     hint = (": an all-reduce moves twice a reduce-scatter's bytes and leaves every "
                             "rank the whole gradient. Reduce-scatter: each rank receives only "
                             "its shard, averaged")
@@ -580,9 +801,30 @@ def _bytes(impl):
                             "stage 1 reduces nothing: the last micro-step reduces the "
                             "accumulated gradients once")
                 raise AssertionError(
-                    f"{where}: sent {got} bytes; want {want}: each collective moves "
+                    f"{where}: sent {got} bytes (every message recorded below torch.distributed's "
+                    "Python, exercises/_traffic.py: while backward ran, the reduce-scatters'; in "
+                    f"step, the all-gathers'); want {want}: each collective moves "
                     f"4 x padded x (N-1)/N = 4 x {lay['padded']} x {n - 1}/{n} bytes per "
                     f"step{hint}")
+
+
+@check("06", points=2, name="reduce order: units reduce-scattered in unit index order on every rank, "
+                            "even when backward completes them in another order")
+def _reduce_order(impl):
+    for n, per_rank in _part(impl, "order", (2,)):
+        for r, res in enumerate(per_rank):
+            for step, (got, completed) in enumerate(zip(res["issued"], res["completed"])):
+                want = res["units"]
+                where = (f"on {n} ranks, rank {r}, backward {step + 1}: stage 2, one unit per parameter "
+                         f"(sizes {want} in index order), a model whose backward completes them in "
+                         f"another order ({', '.join(completed)})")
+                assert got == want, (
+                    f"{where}: reduce-scatters of {got} elements, in that order; want one per unit, in "
+                    f"unit index order, {want}. Ranks pair collectives by the order they are issued "
+                    "(chapter 03, section 4): if another rank's backward completes its units in "
+                    "another order (autograd promises none), its reduce-scatter of unit 0 meets this "
+                    "rank's of unit 2. Start unit k only once units 0..k-1 have started: a complete "
+                    "unit waits for the ones before it")
 
 
 @check("06", points=2, name="find the bug: ShardedGradAccumulator keeps every micro-step's gradient")
@@ -616,23 +858,22 @@ HINTS = {
         "inner optimizer then reads the averaged gradient shard wherever you write it. One "
         "inner optimizer, optimizer_class(shard_groups, **defaults), each shard group with "
         "its group's own settings (weight_decay, lr, ...).",
-        '_shard_param_groups: for each group i, views = []; for u in self.units: if i '
-        'in u.ranges: a, b = u.ranges[i]; v = u.shard[a:b]; v.grad = u.grad_shard[a:b];'
-        ' views.append(v). No view: views = [torch.zeros(0)] with .grad = '
-        "torch.zeros(0). Return [{**settings of group i except 'params', 'params': "
-        'views}, ...]',
-        '_take_local_gradients: for u in self.units: '
-        'u.grad_shard.copy_(u.flat_grads()[u.lo:u.hi])',
-        'step: loss = closure() if closure else None; if not self.reduce_gradients: '
-        'self._take_local_gradients(); self.optim.step(); works = '
-        '[self._all_gather(u.flat, u.shard) for u in self.units]; wait() for each work '
-        'that is not None; return loss. Start all the all-gathers (u.shard from every '
-        'rank into u.flat), then wait for them.',
-        'zero_grad: for u in self.units: u.grad_shard.zero_() (in place: the inner '
-        "optimizer's .grad views point into it) and p.grad = None for p in u.params",
-        "_all_gather: collectives 'minidist': comm.all_gather(out, inp.clone()) (inp is"
-        " a view into out: gather from a copy) and return None; 'torch': return "
-        'dist.all_gather_single(out, inp, group=self.group, async_op=True)',
+        "_shard_param_groups: u.ranges says where each group's elements lie in a unit's "
+        "shard. A group with no element on this rank still needs its entry (a placeholder of "
+        "no elements, with a .grad of its own), so that param_groups[i] stays the i-th group "
+        "passed in on every rank.",
+        "_take_local_gradients: under ZeroRedundancyOptimizer's contract p.grad is averaged "
+        "already; this rank's slice of each unit's flat local gradients (u.flat_grads()) "
+        "goes into its gradient shard.",
+        "step: the closure, if any; the local gradients when this optimizer does not reduce "
+        "them itself; the inner optimizer's step; then every unit's all-gather (its shard "
+        "from every rank into its flat buffer), all started in unit order, then all waited "
+        "for. zero_grad empties the gradient shards in place (the inner optimizer's .grad "
+        "are views of them) and drops the full-size gradients.",
+        "_all_gather: with 'minidist', minidist.comm's ring (synchronous: nothing left to wait "
+        "for); mind that the input is a view into the output. With 'torch', "
+        "torch.distributed's all-gather into one tensor, asynchronous, on self.group, and its "
+        "work returned.",
     ],
     "_zero_redundancy": [
         "ZeroRedundancyOptimizer's contract: p.grad is already averaged when step() runs; "
@@ -652,34 +893,34 @@ HINTS = {
         "_on_grad) counts completed gradients. Stage 1 reduces every unit after backward, "
         "from a callback queued by the first hook of each backward; inside no_sync() it "
         "reduces nothing and lets p.grad accumulate. When backward ends: reduce the units "
-        "not reduced yet, wait for every reduce-scatter, add each result into "
-        "u.grad_shard, reset for the next backward.",
-        "_reduce_scatter: 'minidist': comm.reduce_scatter(out, inp, op='avg') and "
-        "return None; 'torch': return dist.reduce_scatter_single(out, inp, "
-        'op=dist.ReduceOp.AVG, group=self.group, async_op=True)',
-        '_on_grad: return at once if self._no_sync; on the first hook of a backward '
-        'queue self._end_of_backward '
-        '(torch.autograd.Variable._execution_engine.queue_callback) and set '
-        'self._queued; u = self._unit_of[p]; u.ready += 1; at stage 2, when u.ready == '
-        'len(u.params): self._reduce(u)',
-        '_reduce: flat = u.flat_grads(); p.grad = None for p in u.params; out = '
-        'torch.empty_like(u.grad_shard); work = self._reduce_scatter(out, flat); '
-        'self._pending.append((u, out, work))',
-        '_end_of_backward: for u in self.units (in order, the same on every rank): if '
-        'stage 1, or u.ready < len(u.params) (not reduced yet): self._reduce(u); then '
-        'self.finish_gradient_synchronization()',
-        'finish_gradient_synchronization: for u, out, work in self._pending: wait() if '
-        'work is not None; u.grad_shard += out. Then clear self._pending, u.ready = 0 '
-        'for every unit, self._queued = False',
+        "not reduced yet, in unit index order, wait for every reduce-scatter, add each "
+        "result into u.grad_shard, reset for the next backward.",
+        "_reduce_scatter: with 'minidist', minidist.comm's reduce-scatter, averaging "
+        "(synchronous); with 'torch', torch.distributed's reduce-scatter into one tensor, "
+        "averaging, asynchronous, on self.group, and its work returned.",
+        "The order: ranks pair collectives by the order they are issued, so the units are "
+        "reduced in unit index order on every rank. Keep the index of the next unit to "
+        "reduce; at stage 2, after each hook, reduce units from there while they are "
+        "complete; at the end of backward reduce the rest, in order, complete or not (a "
+        "parameter without a gradient still joins). Inside no_sync() at stage 1 the hook "
+        "does nothing at all.",
     ],
     "_zero2": [
-        "Stage 2 reduces a unit from the hook that completes its last gradient, during "
-        "backward; at the end of backward, reduce any unit that is not complete (a "
-        "parameter without a gradient), in unit order, the same on every rank. Inside "
-        "no_sync() stage 2 reduces anyway: it keeps no full gradient to accumulate into.",
+        "Stage 2 reduces a unit from the hook, during backward, as soon as its gradients are "
+        "complete and every unit before it has been started (unit index order); at the end "
+        "of backward, reduce every unit not started yet, in order. Inside no_sync() stage 2 "
+        "reduces anyway: it keeps no full gradient to accumulate into.",
         "With accumulation stage 2 reduces every micro-step: each reduce-scatter's result "
         "must ADD into u.grad_shard (+=), or only the last micro-batch's gradient is left; "
         "zero_grad is what empties it.",
+    ],
+    "_reduce_order": [
+        "Chapter 03, section 4: a hook never launches bucket k before buckets 0..k-1, "
+        "because ranks pair collectives by the order they are issued and autograd promises "
+        "no order of the gradients. The same holds for ZeRO's units.",
+        "Keep the index of the next unit to start. After each hook, start units from there "
+        "while they are complete, moving the index on; a complete unit further on waits. At "
+        "the end of backward start the rest, in order.",
     ],
     "_grad_memory": [
         "Free the full-size gradients as soon as a unit is reduced (p.grad = None for its "

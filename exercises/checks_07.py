@@ -17,14 +17,16 @@ with torch.optim.Muon's, run here, and every rank reports which momentum it hold
 Muon on shards (part (c)) runs in its own launch per world size, under its own rules (no
 all-gather of any kind, SHARD_RULES): the shards of every rank are put back together and
 compared with torch.optim.Muon on the whole matrices (within SHARD_TOL of the movement),
-the momenta each rank keeps with its ownership, and the bytes each rank received (counted
-on the ProcessGroup methods every torch.distributed call ends in) with what the layout
-says it must receive. Its reference, reference_muon_step_on_shards, lives here: minidist's
+the momenta each rank keeps with its ownership, and the bytes each rank received (every
+collective and message recorded below torch.distributed's Python, exercises/_traffic.py)
+with what the layout says it must receive; each rank's gradient pieces, and each piece of
+update it applied, must have travelled in the recorded messages and collectives. Its reference, reference_muon_step_on_shards, lives here: minidist's
 Muon under ZeRO works on its own objects, not on bare shards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -34,7 +36,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz as _torch_ns_itself
 from torch.utils.flop_counter import FlopCounterMode
 
 from exercises import _harness as H
-from exercises import _rules
+from exercises import _measure, _rules, _traffic
 from exercises.grade import check
 
 # The exercise's rules, watched in every check and part while the learner's code runs
@@ -46,6 +48,32 @@ IDEA_MODULES = ("minidist.muon", "minidist.newton_schulz", "minidist.zero")
 IDEA_ALLOWED = ("minidist.muon.adjust_lr", "minidist.muon.newton_schulz")  # what the stub itself hands out
 RULES = _rules.Rules(apis={"torch.optim.Muon": _ORACLE,
                            "torch.optim._muon._zeropower_via_newtonschulz": _ORACLE})
+
+
+_PART_A = ("part (a) is yours to write: ns_reference (minidist's newton_schulz), handed out "
+           "for parts (b) and (c), is not an answer to part (a)")
+PART_A_RULES = _rules.Rules(apis={"minidist.newton_schulz.newton_schulz": _PART_A,
+                                  "minidist.newton_schulz.newton_schulz_many": _PART_A})
+
+
+@contextlib.contextmanager
+def _own_newton_schulz(impl):
+    """Part (a)'s checks run the learner's newton_schulz in here: minidist's trips (any
+    alias of it: exercises/_rules.py swaps the function's code), and a check whose code
+    called it fails, saying so. minidist's own, graded with --reference, is exempt."""
+    import minidist.newton_schulz as ns
+    theirs = "newton_schulz" in getattr(impl, "learner_names", ()) or impl.newton_schulz is not ns.newton_schulz
+    if not theirs:
+        yield
+        return
+    with _rules.watching(PART_A_RULES) as w:
+        try:
+            yield
+        except Exception:
+            if not w.broken:
+                raise
+    if w.broken:
+        raise AssertionError(f"{w.broken[0]} (this check scores 0)")
 
 
 def _torch_ns(*args):
@@ -139,16 +167,23 @@ def _grads(t: int, shapes=SHAPES) -> list[torch.Tensor]:
     return [torch.randn(*s, generator=g) for s in shapes]
 
 
-def _drive(make, missing=frozenset()):
+def _drive(make, missing=frozenset(), flops=None):
     """STEPS steps of the optimizer make(params) on seeded gradients, the (step, matrix)
-    pairs of `missing` without one; (parameters after each step, optimizer, parameters)."""
+    pairs of `missing` without one; (parameters after each step, optimizer, parameters).
+    On the ranks each step's traffic is labelled with its number, and `flops` (a list)
+    receives each step's FLOPs of matrix products, on any thread (exercises/_traffic.py)."""
     ps = _params()
     opt = make(ps)
     trajectory = []
+    traffic = _traffic.current()
     for t in range(STEPS):
         for i, (p, grad) in enumerate(zip(ps, _grads(t))):
             p.grad = None if (t, i) in missing else grad
-        opt.step()
+        with traffic.phase_of(t) if traffic is not None else contextlib.nullcontext(), \
+                _traffic.counting_matmuls() if flops is not None else contextlib.nullcontext([]) as mm:
+            opt.step()
+        if flops is not None:
+            flops.append(sum(f for _, _, f in mm))
         trajectory.append([p.detach().clone() for p in ps])
     return trajectory, opt, ps
 
@@ -259,7 +294,8 @@ def _trajectory_problem(where: str, got, want, kw: dict, missing: frozenset, own
 
 def _part(missing: frozenset, fns: dict, r: int, n: int) -> dict:
     H.skip_dynamo_import()
-    trajectory, opt, ps = _drive(lambda ps: fns["Muon"](ps, **DIST_KW), missing)
+    flops = []
+    trajectory, opt, ps = _drive(lambda ps: fns["Muon"](ps, **DIST_KW), missing, flops)
     momentum, state_bytes = {}, {}
     for i, p in enumerate(ps):
         state = opt.state.get(p, {})  # .get: reading must not create an entry
@@ -267,7 +303,16 @@ def _part(missing: frozenset, fns: dict, r: int, n: int) -> dict:
                              if isinstance(v, torch.Tensor))
         if isinstance(state.get("momentum_buffer"), torch.Tensor):
             momentum[i] = state["momentum_buffer"].clone()
-    return {"trajectory": trajectory, "momentum": momentum, "state_bytes": state_bytes}
+    # state kept anywhere the optimizer can reach (its attributes, the parameters and their
+    # hooks, the learner's module), parameters and gradients left out (exercises/_measure.py)
+    found = _measure.reachable([opt, *ps], modules={type(opt).__module__})
+    leave_out = _measure.storages(ps) | _measure.storages(p.grad for p in ps)
+    held = _measure.total(found, leave_out)
+    # what each step's collectives carried (this rank's part), for the grading side
+    sent = {t: [d.reshape(-1) for e in H.traffic().events if e.phase == t and e.kind != "barrier"
+                for d in e.data or []] for t in range(STEPS)}
+    return {"trajectory": trajectory, "momentum": momentum, "state_bytes": state_bytes,
+            "held": held, "flops": flops, "sent": sent}
 
 
 PARTS = {"full": functools.partial(_part, frozenset()), "missing": functools.partial(_part, MISSING)}
@@ -309,6 +354,11 @@ def _owners(per_rank) -> dict:
 
 @check("07", points=3, name="newton_schulz, fp32: each singular value s -> p^k(s / ||G||_F), U and V kept")
 def _singular_values(impl):
+    with _own_newton_schulz(impl):
+        _singular_values_body(impl)
+
+
+def _singular_values_body(impl):
     for (m, n), steps in [((48, 96), 5), ((64, 64), 5), ((40, 72), 2)]:
         # from 3e-3 to 3: the iteration works only after the division by the norm
         s = 3 * np.geomspace(1e-3, 1.0, min(m, n))
@@ -352,6 +402,11 @@ def _singular_values(impl):
 
 @check("07", points=1, name="newton_schulz, tall: transpose of the wide case, iterated on the wide side")
 def _tall(impl):
+    with _own_newton_schulz(impl):
+        _tall_body(impl)
+
+
+def _tall_body(impl):
     for m, n in [(96, 48), (80, 16)]:
         G = _randn(m, n, seed=m)
         wide = G.T.contiguous()
@@ -374,6 +429,11 @@ def _tall(impl):
 
 @check("07", points=1, name="newton_schulz, batched: each matrix of the leading dimensions on its own")
 def _batched(impl):
+    with _own_newton_schulz(impl):
+        _batched_body(impl)
+
+
+def _batched_body(impl):
     for shape in [(2, 3, 16, 24), (4, 24, 16)]:
         G = _randn(*shape, seed=len(shape))
         # norms from 0.01 to 100: a norm taken over the whole batch would shrink the small ones
@@ -397,6 +457,11 @@ def _batched(impl):
 
 @check("07", points=1, name="newton_schulz, dtype: runs in and returns dtype (bf16 default), G left alone")
 def _dtype(impl):
+    with _own_newton_schulz(impl):
+        _dtype_body(impl)
+
+
+def _dtype_body(impl):
     G = _randn(48, 96, seed=3)
     for args, kw, want in [((G,), {}, torch.bfloat16), ((G,), dict(dtype=torch.float32), torch.float32),
                            ((G.double(),), dict(dtype=torch.float32), torch.float32),
@@ -424,6 +489,11 @@ def _dtype(impl):
 
 @check("07", points=1, name="newton_schulz of a zero matrix is zeros, not NaN (eps)")
 def _zeros(impl):
+    with _own_newton_schulz(impl):
+        _zeros_body(impl)
+
+
+def _zeros_body(impl):
     for shape, kw in [((8, 4), {}), ((4, 8), dict(dtype=torch.float32)), ((2, 5, 5), {})]:
         O = impl.newton_schulz(torch.zeros(*shape), **kw)
         what = f"newton_schulz(torch.zeros{shape}{', dtype=torch.float32' if kw else ''})"
@@ -440,6 +510,11 @@ def _zeros(impl):
 
 @check("07", points=1, name="newton_schulz, bf16: bit for bit torch's own (torch.optim._muon)")
 def _bitwise(impl):
+    with _own_newton_schulz(impl):
+        _bitwise_body(impl)
+
+
+def _bitwise_body(impl):
     cases = [(_randn(48, 96, seed=6), 5), (_randn(96, 48, seed=7), 5), (_randn(64, 64, seed=8), 5),
              (_randn(7, 130, seed=9), 3), (_randn(3, 32, 48, seed=10), 5)]
     for G, steps in cases:
@@ -493,9 +568,88 @@ def _dist_problem(impl, part: str, missing: frozenset) -> str | None:
 @check("07", points=3, name="2 and 3 ranks: every rank's parameters == one process's after every step")
 def _distributed(impl):
     H.first_problem([_dist_problem(impl, "full", frozenset())])
+    H.first_problem(_carried_problem(n, per_rank, frozenset()) for n, per_rank in _ranks(impl, "full"))
 
 
-@check("07", points=2, name="2 and 3 ranks: each matrix's momentum only on its owner, about 1/N per rank")
+@functools.lru_cache(maxsize=None)
+def _ns_flops(shape: tuple, steps: int = 5) -> int:
+    """FLOPs of matrix products in one Newton-Schulz of a matrix of `shape`, counted on
+    torch's own (the oracle), at the dispatcher as the ranks count the learner's."""
+    with _traffic.counting_matmuls() as mm:
+        _torch_ns(torch.zeros(shape) + 1.0, COEFFICIENTS, steps, 1e-7)
+    return sum(f for _, _, f in mm)
+
+
+def _work_problem(n: int, per_rank: list, missing: frozenset) -> str | None:
+    """None when each rank's matrix products in each step are exactly the Newton-Schulz of
+    the matrices it owns (keeps the momentum of) that have a gradient at that step."""
+    owners = _owners(per_rank)
+    for r, res in enumerate(per_rank):
+        mine = [i for i, holders in owners.items() if holders == [r]]
+        for t, got in enumerate(res["flops"]):
+            todo = [i for i in mine if (t, i) not in missing]
+            want = sum(_ns_flops(SHAPES[i]) for i in todo)
+            if got == want:
+                continue
+            every = sum(_ns_flops(SHAPES[i]) for i in range(len(SHAPES)) if (t, i) not in missing)
+            why = (" (the Newton-Schulz of every matrix: each rank orthogonalised them all, while "
+                   "only the owners keep the momentum)" if got >= every else
+                   ": more than its own matrices need: it orthogonalised matrices it does not own"
+                   if got > want else ": less than its own matrices need")
+            return (f"on {n} ranks, rank {r}, step {t}: its matrix products took {got:,} FLOPs "
+                    f"(counted below Python, on every thread); the Newton-Schulz of the matrices "
+                    f"it owns (those whose momentum it keeps: {todo}) takes {want:,}{why}. Each "
+                    "matrix's owner alone runs its Newton-Schulz (1/N of the work per rank)")
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _oracle_updates(missing: frozenset) -> dict:
+    """{(step, matrix): torch.optim.Muon's orthogonalised update (bf16), flattened}."""
+    kw = DIST_KW
+    lr, mu, wd = kw["lr"], kw["momentum"], kw["weight_decay"]
+    ps, bufs, out = [p.detach() for p in _params()], {}, {}
+    with torch.no_grad():
+        for t in range(STEPS):
+            for i, (p, grad) in enumerate(zip(ps, _grads(t))):
+                if (t, i) in missing:
+                    continue
+                buf = bufs.setdefault(i, torch.zeros_like(p))
+                buf.lerp_(grad, 1 - mu)
+                update = _torch_ns(grad.lerp(buf, mu), COEFFICIENTS, 5, 1e-7)
+                out[t, i] = update.reshape(-1).float()
+                p.mul_(1 - lr * wd)
+                p.add_(update, alpha=-(lr * _lr_factor(p.shape, None)))
+    return out
+
+
+def _contains(hay: torch.Tensor, needle: torch.Tensor) -> bool:
+    """Does `hay` hold `needle` as a contiguous run, bit for bit (as floats)?"""
+    L = needle.numel()
+    if L == 0:
+        return True
+    for k in (hay[:max(0, hay.numel() - L + 1)] == needle[0]).nonzero().reshape(-1).tolist():
+        if torch.equal(hay[k:k + L], needle):
+            return True
+    return False
+
+
+def _carried_problem(n: int, per_rank: list, missing: frozenset) -> str | None:
+    """None when every update of every step travelled in that step's recorded collectives
+    (some rank put it in, bit for bit: exercises/_traffic.py records what each sends)."""
+    for (t, i), update in _oracle_updates(missing).items():
+        hay = [torch.cat([d.float() for d in res["sent"][t]]) if res["sent"][t] else torch.zeros(0)
+               for res in per_rank]
+        if not any(_contains(h, update) for h in hay):
+            return (f"on {n} ranks, step {t}: matrix {i}'s orthogonalised update is in none of the "
+                    "collectives the ranks issued in that step (the grader records what each "
+                    "rank puts into them, below torch.distributed's Python): the owner's update "
+                    "reaches the other ranks by all_gather, not another way")
+    return None
+
+
+@check("07", points=2, name="2 and 3 ranks: each matrix's momentum and Newton-Schulz only on its owner, "
+                            "about 1/N per rank")
 def _sharded_state(impl):
     _, want = _torch_muon(tuple(sorted(DIST_KW.items())), frozenset())
     total = sum(a * b * 4 for a, b in SHAPES)
@@ -518,6 +672,13 @@ def _sharded_state(impl):
                 f"on {n} ranks, rank {r} keeps {mine} bytes of optimizer state, of {total} in all: "
                 f"more than total / {n} + the largest matrix ({biggest}); deal the matrices out "
                 "evenly (sorted by size, in rounds of N)")
+            assert res["held"] <= total / n + biggest, (
+                f"on {n} ranks, rank {r}: tensors its optimizer can reach hold {res['held']} bytes "
+                "besides the parameters and their gradients (the grader walks every reference "
+                "from it, the parameters and their hooks, and your module's globals), of "
+                f"{total} bytes of momentum in all: more than total / {n} + the largest matrix "
+                f"({biggest}). Momentum kept anywhere counts, not only in self.state")
+        H.first_problem([_work_problem(n, per_rank, frozenset())])
 
 
 @check("07", points=2,
@@ -530,6 +691,8 @@ def _missing_grads(impl):
         raise AssertionError(f"{why} (in the run where these have no gradient: {_missing_text()})"
                              + ("" if HANG_HINT in why else f". {HANG_HINT}")) from None
     H.first_problem([problem])
+    for n, per_rank in _ranks(impl, "missing"):
+        H.first_problem([_carried_problem(n, per_rank, MISSING), _work_problem(n, per_rank, MISSING)])
 
 
 def _missing_text() -> str:
@@ -606,67 +769,54 @@ def _shard_bound(n: int) -> list[int]:
     return [4 * g + 2 * u + SHARD_FLAG_BYTES * len(SHARD_SHAPES) for g, u in _must_receive(n)]
 
 
-# bytes received, counted on the ProcessGroup methods every torch.distributed call ends in
-_COUNTED = tuple(_rules.COLLECTIVES) + ("recv", "recv_anysource")
-
-
-def _tensors(x) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for y in x for t in _tensors(y)]
-    return []
-
-
 def _nbytes(x) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(x))
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(y) for y in x)
+    return 0
 
 
-def _received(name: str, rank: int, n: int, args) -> int:
-    """Bytes that reach this rank from the others in one call of ProcessGroup.`name`."""
-    root = getattr(args[-1], "rootRank", args[-1] if isinstance(args[-1], int) else -1)
-    if name in ("all_to_all_single", "alltoall_base"):
-        out, splits = args[0], list(args[2]) if len(args) > 2 else []
+def _received(e, rank: int, n: int) -> int:
+    """Bytes that reach this rank from the others in one recorded call (an Event of
+    exercises/_traffic.py: every collective and message, seen below torch's Python)."""
+    a, root = e.args, e.peer
+    if e.op == "alltoall_base":
+        out, splits = a[0], list(a[2]) if len(a) > 2 else []
         rows = out.shape[0] if out.dim() else 1
         own = splits[rank] if splits else rows // n
         return (rows - own) * _nbytes(out) // max(rows, 1)
-    if name == "alltoall":
-        return sum(_nbytes(t) for j, t in enumerate(args[0]) if j != rank)
-    if name == "gather":
-        lists = args[0]
-        return sum(_nbytes(t) for j, t in enumerate(lists[0]) if j != root) if lists and rank == root else 0
-    if name in ("scatter", "broadcast"):
-        return _nbytes(args[0]) if rank != root else 0
-    if name == "allreduce":  # what a ring all-reduce receives
-        return 2 * (n - 1) * _nbytes(args[0]) // n
-    if name in ("recv", "recv_anysource"):
-        return _nbytes(args[0])
-    return _nbytes(args)  # anything else: every tensor it touches, an upper bound
+    if e.op == "alltoall":
+        return sum(_nbytes(t) for j, t in enumerate(a[0]) if j != rank)
+    if e.kind == "gather":
+        return sum(_nbytes(t) for j, t in enumerate(a[0][0]) if j != root) if a[0] and rank == root else 0
+    if e.kind in ("scatter", "broadcast"):
+        return e.received if rank != root else 0
+    if e.kind == "all_reduce":  # what a ring all-reduce receives
+        return 2 * (n - 1) * e.received // n
+    if e.kind == "recv":
+        return e.received
+    if e.kind in ("send", "barrier"):
+        return 0
+    return e.sent + e.received  # anything else: every tensor it touches, an upper bound
 
 
-class _Counting:
-    """While in use, {ProcessGroup method: bytes this rank received through it}."""
-
-    def __enter__(self):
-        import torch.distributed as dist
-        self.got, self.undo = {}, []
-        for name in _COUNTED:
-            orig = dist.ProcessGroup.__dict__.get(name)
-            if orig is None:
-                continue
-
-            def counted(pg, *args, _name=name, _orig=orig, **kwargs):
-                b = _received(_name, pg.rank(), pg.size(), args) if args else 0
-                self.got[_name] = self.got.get(_name, 0) + b
-                return _orig(pg, *args, **kwargs)
-            setattr(dist.ProcessGroup, name, counted)
-            self.undo.append((name, orig))
-        return self.got
-
-    def __exit__(self, *exc):
-        import torch.distributed as dist
-        for name, orig in reversed(self.undo):
-            setattr(dist.ProcessGroup, name, orig)
+def _pieces_not_sent(sent: list, grad_shard: torch.Tensor, owners: list, r: int, n: int, t: int) -> str | None:
+    """None when this rank's recorded sends of step t hold, bit for bit, every piece of
+    its gradient shard that belongs to a matrix another rank owns."""
+    hay = torch.cat([d.float().reshape(-1) for d in sent]) if sent else torch.zeros(0)
+    S, st = grad_shard.numel(), _starts()
+    for i, o in enumerate(owners):
+        a, b = max(st[i], r * S), min(st[i + 1], (r + 1) * S)
+        if o == r or a >= b:
+            continue
+        if not _contains(hay, grad_shard[a - r * S:b - r * S].float()):
+            return (f"on {n} ranks (owners {owners}), step {t}: rank {r} holds elements [{a - st[i]}, "
+                    f"{b - st[i]}) of matrix {i}'s gradient, whose owner is rank {o}, and none of "
+                    "its recorded messages or collectives carried them (the grader records what "
+                    "each rank sends, below torch.distributed's Python): the owner gets its "
+                    "matrices' gradient pieces in them, not another way")
+    return None
 
 
 def _shards_part(fns: dict, r: int, n: int) -> dict:
@@ -674,15 +824,23 @@ def _shards_part(fns: dict, r: int, n: int) -> dict:
     shards of seeded parameters and gradients."""
     S, owners = _shard_len(n), _shard_owners(n)
     param_shard = _flat(_params(SHARD_SHAPES), n)[r * S:(r + 1) * S].clone()
-    momenta, trajectory = {}, []
-    with _Counting() as got:
-        for t in range(SHARD_STEPS):
-            grad_shard = _flat(_grads(t, SHARD_SHAPES), n)[r * S:(r + 1) * S].clone()
+    momenta, trajectory, got, sent, carried = {}, [], {}, [], None
+    traffic = H.traffic()
+    for t in range(SHARD_STEPS):
+        grad_shard = _flat(_grads(t, SHARD_SHAPES), n)[r * S:(r + 1) * S].clone()
+        with traffic.phase_of(t):
             fns["muon_step_on_shards"](param_shard, grad_shard, list(SHARD_SHAPES), list(owners),
                                        momenta, **SHARD_KW)
-            trajectory.append(param_shard.detach().clone())
+        trajectory.append(param_shard.detach().clone())
+        step = [d.reshape(-1) for e in traffic.events if e.phase == t and e.kind != "barrier"
+                for d in e.data or []]
+        sent.append(step)
+        carried = carried or _pieces_not_sent(step, grad_shard, owners, r, n, t)
+    for e in traffic.events:
+        got[e.op] = got.get(e.op, 0) + _received(e, r, n)
     kept = {i: (v.detach().clone() if isinstance(v, torch.Tensor) else None) for i, v in momenta.items()}
-    return {"trajectory": trajectory, "momenta": kept, "received": dict(got)}
+    return {"trajectory": trajectory, "momenta": kept, "received": got, "sent": sent,
+            "carried": carried}
 
 
 @torch.no_grad()
@@ -862,10 +1020,54 @@ def _shard_ranks(impl):
     return H.per_world_size(_shards_results(impl), "shards", WORLD_SIZES)
 
 
+def _updates_not_carried(n: int, per_rank: list) -> str | None:
+    """None when every piece of update a rank applied to a matrix another rank owns came in
+    the owner's recorded sends of that step: the update the piece's movement implies
+    ((before x (1 - lr wd) - after) / the adjusted lr) is, to rounding, a run of what the
+    owner put into its messages and collectives."""
+    st, S, owners = _starts(), _shard_len(n), _shard_owners(n)
+    decay = 1 - SHARD_KW["lr"] * SHARD_KW["weight_decay"]
+    start = _flat([p.detach() for p in _params(SHARD_SHAPES)], n)
+    for t in range(SHARD_STEPS):
+        for i, o in enumerate(owners):
+            sent = per_rank[o]["sent"][t]
+            hay = torch.cat([d.float() for d in sent]) if sent else torch.zeros(0)
+            alpha = SHARD_KW["lr"] * _lr_factor(SHARD_SHAPES[i], None)
+            for j, res in enumerate(per_rank):
+                a, b = max(st[i], j * S), min(st[i + 1], (j + 1) * S)
+                if j == o or a >= b:
+                    continue
+                before = (res["trajectory"][t - 1] if t else start[j * S:(j + 1) * S]).float()
+                after = res["trajectory"][t].float()
+                piece = slice(a - j * S, b - j * S)
+                implied = (before[piece] * decay - after[piece]) / alpha
+                if not _near_run(hay, implied):
+                    return (f"on {n} ranks (owners {owners}), step {t}: rank {j} moved its piece of "
+                            f"matrix {i} (elements [{a - st[i]}, {b - st[i]})) by an update that is in "
+                            f"none of the messages or collectives its owner, rank {o}, issued in that "
+                            "step (the grader records what each rank sends): each rank's piece of the "
+                            "update comes from the owner in them, not another way")
+    return None
+
+
+def _near_run(hay: torch.Tensor, needle: torch.Tensor) -> bool:
+    """Does `hay` hold a run equal to `needle` within float32 rounding of the step?"""
+    L = needle.numel()
+    if L == 0:
+        return True
+    tol = 1e-3 * max(float(needle.abs().max()), 1e-6)
+    for k in ((hay[:max(0, hay.numel() - L + 1)] - needle[0]).abs() <= tol).nonzero().reshape(-1).tolist():
+        if bool(((hay[k:k + L] - needle).abs() <= tol).all()):
+            return True
+    return False
+
+
 @check("07", points=3, name="Muon on shards, 2 and 3 ranks: the shards put together == torch.optim.Muon "
                             "on the whole matrices (within 1% of the movement: bf16)")
 def _shards_equal(impl):
     H.first_problem(_shards_problem(n, per_rank) for n, per_rank in _shard_ranks(impl))
+    for n, per_rank in _shard_ranks(impl):
+        H.first_problem([res["carried"] for res in per_rank] + [_updates_not_carried(n, per_rank)])
 
 
 @check("07", points=2, name="Muon on shards: each matrix's momentum whole, on its owner only")
@@ -941,12 +1143,10 @@ _NS_BITS = (
     "torch.bmm to `@` on 3-D bf16 tensors: the same bits, and here a hundred times "
     "faster.)")
 _NS_RECIPE = (
-    'newton_schulz: X = G.to(dtype); tall = X.size(-2) > X.size(-1); if tall: X = '
-    'X.mT; reshape to (batch, m, n) with X.reshape(-1, *X.shape[-2:]); X = X / '
-    'X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps); then `steps` times: A = '
-    'torch.bmm(X, X.mT), B = torch.baddbmm(A, A, A, beta=b, alpha=c), X = '
-    'torch.baddbmm(X, B, X, beta=a); reshape back to the batch shape and return '
-    'X.mT if tall else X')
+    "Put together, in this order: convert to dtype, transpose a tall matrix, give a batch "
+    "the (batch, m, n) shape the batched products want, normalise each matrix by its own "
+    "clamped norm, iterate with the products of the previous hint, then undo the reshape "
+    "and the transpose. Which of these would change the caller's G if done in place?")
 _MUON_ONE = (
     "One process, as torch.optim.Muon does, for each parameter with a gradient, in order: "
     "buf = self.state[p]['momentum_buffer'] (zeros like p at first); buf.lerp_(p.grad, 1 - "
@@ -979,25 +1179,20 @@ _SHARDS_ALL_TO_ALL = (
     "matrix order, and ranks in order give each matrix's elements in order: torch.cat its "
     "pieces and .view(shape). Updates go back the same way with the sizes swapped.")
 _SHARDS_RECIPE = (
-    "muon_step_on_shards: rank, n = dist.get_rank(group), dist.get_world_size(group); "
-    "mine = [i for i, o in enumerate(owners) if o == rank]; gradient all_to_all_single as "
-    "in the previous hint; for i in mine: g = whole gradient; buf = momenta.setdefault(i, "
-    "torch.zeros_like(g)); buf.lerp_(g, 1 - momentum); m = g.lerp(buf, momentum) if "
-    "nesterov else buf; u = ns_reference(m, ns_steps, ns_dtype).reshape(-1); send each "
-    "rank its pieces of u (all_to_all_single, recv buffer in ns_dtype); for each piece "
-    "received, p = param_shard[a - rank*S:b - rank*S]; p.mul_(1 - lr * weight_decay); "
-    "p.add_(piece, alpha=-adjust_lr(lr, shapes[i], adjust_lr_fn))")
+    "Put together: the gradient pieces to their owners (one all_to_all_single); on each "
+    "owner, for each of its matrices, the momentum kept in momenta and the Newton-Schulz, "
+    "as in part (b); the update pieces back (a second all_to_all_single, received in "
+    "ns_dtype); on every rank, for each piece it holds, the decay and the adjusted step, "
+    "applied to that slice of param_shard in place. Every size comes from shapes and "
+    "owners alone, the same on every rank.")
 
 # hints that several checks share
 _HINT_STEP = (
-    'step: rank, world = self._world(); items = [(p, g) for g in self.param_groups '
-    "for p in g['params']]. One rank: self._apply(p, self._update(p, g), g) for "
-    'each p with a grad. N ranks: sort the items by cost, largest first, in rounds '
-    'of N; per round send = zeros(1 + largest numel, ns_dtype); rank r, owner of '
-    "the round's r-th item, writes [1, update.flatten()] if it has a grad; every "
-    'rank, every round: dist.all_gather(recv, send, group=self.group, '
-    'async_op=True); then wait, and self._apply(p, recv[r][1:1 + p.numel()], g) '
-    'where recv[r][0] == 1')
+    "step on N ranks: every rank computes the same dealing of the matrices (by size, "
+    "largest first, in rounds of N), runs _update only for its own, and joins one "
+    "all_gather per round, into which each owner puts its update (or a flag saying there "
+    "is none) and out of which every rank applies every update that came, with "
+    "self._apply. A rank that owns nothing in a round still joins it, with the same sizes.")
 
 HINTS = {
     "_singular_values": [_NS_ITERATION, _NS_TALL_BATCH, _NS_BITS, _NS_RECIPE],
@@ -1008,10 +1203,10 @@ HINTS = {
     "_bitwise": [_NS_ITERATION, _NS_TALL_BATCH, _NS_BITS, _NS_RECIPE],
     "_one_process": [
         _MUON_ONE,
-        "_update: buf = self.state[p].setdefault('momentum_buffer', "
-        "torch.zeros_like(p)); buf.lerp_(p.grad, 1 - g['momentum']); M = "
-        "p.grad.lerp(buf, g['momentum']) if g['nesterov'] else buf; return "
-        "ns_reference(M, g['ns_steps'], self.ns_dtype)",
+        "_update: the momentum buffer lives in self.state[p]['momentum_buffer'] (zeros at "
+        "first); average the gradient into it, take the Nesterov look-ahead when the group "
+        "asks for it, and orthogonalise the result with ns_reference in self.ns_dtype. "
+        "self._apply then does the weight decay and the shape-adjusted step.",
         _HINT_STEP,
     ],
     "_distributed": [

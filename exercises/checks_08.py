@@ -423,15 +423,41 @@ def _oracle_part(root, fns, r: int, n: int):
     return out
 
 
+MOVED_LIMIT = 12 * 1024  # bytes a rank may receive through collectives in one save or load
+_CALLS = [0]
+
+
+@contextlib.contextmanager
+def _one_call(what: str):
+    """The learner's save or load runs in here: its collectives (recorded below
+    torch.distributed's Python, exercises/_traffic.py) are labelled with this call."""
+    _CALLS[0] += 1
+    with H.traffic().phase_of((what, _CALLS[0])):
+        yield
+
+
+def _most_moved() -> tuple[int, str]:
+    """(bytes, "save" or "load"): the most this rank received through collectives in one
+    call of the learner's save or load in this part."""
+    per: dict = {}
+    for e in H.traffic().events:
+        if isinstance(e.phase, tuple) and e.phase[0] in ("save", "load"):
+            per[e.phase] = per.get(e.phase, 0) + e.received
+    if not per:
+        return 0, "save"
+    phase = max(per, key=per.get)
+    return per[phase], phase[0]
+
+
 def _save_part(dst: str, stage: int, root, fns, r: int, n: int) -> dict:
     """Train steps [0, S) on n ranks, save with the exercise's save."""
     H.skip_dynamo_import()
     model, opt = _setup(0.0, stage)
     _train(model, opt, 0, S, r, n)
     out = {"saved": _snapshot(model, opt)}
-    with _counting_saves() as seen:
+    with _counting_saves() as seen, _one_call("save"):
         fns["save"](str(Path(root) / dst), S, model, opt)
-    out.update(seen)
+    out.update(seen, moved=_most_moved())
     return out
 
 
@@ -445,8 +471,9 @@ def _resume_part(src: str, saved_at: int, last: int, stage: int, dst: str | None
                            "(see its checks)"}
     model, opt = _setup(0.0, stage)
     torch.manual_seed(1234 + r)  # a restarted process: its own RNG state
-    step = fns["load"](str(path), model, opt)
-    out = {"step": step, "loaded": _snapshot(model, opt), "train_error": None}
+    with _one_call("load"):
+        step = fns["load"](str(path), model, opt)
+    out = {"step": step, "loaded": _snapshot(model, opt), "train_error": None, "moved": _most_moved()}
     if not isinstance(step, int):
         out["train_error"] = f"load returned {step!r}, not a step, so training could not continue"
         return out
@@ -458,9 +485,9 @@ def _resume_part(src: str, saved_at: int, last: int, stage: int, dst: str | None
     out["final"] = _params(model)
     if dst:
         out["saved"] = _snapshot(model, opt)
-        with _counting_saves() as seen:
+        with _counting_saves() as seen, _one_call("save"):
             fns["save"](str(Path(root) / dst), last, model, opt)
-        out.update(seen)
+        out.update(seen, moved=_most_moved())
     return out
 
 
@@ -475,11 +502,13 @@ def _same_part(root, fns, r: int, n: int) -> dict:
     model, opt = _setup(DROPOUT, 1)
     torch.manual_seed(100 + r)
     _train(model, opt, 0, S, r, n)
-    fns["save"](str(Path(root) / "same"), S, model, opt)
+    with _one_call("save"):
+        fns["save"](str(Path(root) / "same"), S, model, opt)
     rng = torch.get_rng_state()
     model, opt = _setup(DROPOUT, 1)
     torch.manual_seed(4321)  # a restarted process
-    step = fns["load"](str(Path(root) / "same" / _name(S)), model, opt)
+    with _one_call("load"):
+        step = fns["load"](str(Path(root) / "same" / _name(S)), model, opt)
     out = {"want": want, "step": step, "rng_restored": torch.equal(torch.get_rng_state(), rng),
            "scalars": sorted({s for u in _snapshot(model, opt)["units"] for s in u["scalars"]}),
            "train_error": None}
@@ -771,6 +800,15 @@ def _atomic(impl):
 @check("08", points=2, name="save writes each element once: the weights and both AdamW moments, "
                             "12 bytes per parameter element in all")
 def _bytes(impl):
+    for name, n in (("save4", 4), ("resume2", 2), ("resume3", 3)):
+        for r, res in enumerate(_part(impl, name)):
+            got, what = res.get("moved", (0, "save"))
+            assert got <= MOVED_LIMIT, (
+                f"on {n} ranks, rank {r} received {got} bytes through collectives in one call of "
+                f"your {what} (the grader records every collective below torch.distributed's "
+                f"Python), more than the {MOVED_LIMIT} bytes a few flags and names take: no "
+                "rank gathers the model or the moments; every rank writes (and reads) its own "
+                "pieces through the files, and the collectives only coordinate")
     for name, n in (("save4", 4), ("resume2", 2)):
         per_rank = _part(impl, name)
         _skipped(per_rank, f"on {n} ranks")
@@ -949,107 +987,59 @@ _READ = (
     "the result, and keep track of which elements some piece covered: any left uncovered "
     "means a damaged checkpoint (ValueError naming the key).")
 _SAVE_PIECES = (
-    "save, the pieces: for every unit u and every (name, start, a, b) of "
-    "pieces_of(layout_of(u, names), rank, world): ('model/' + name, start, "
-    "u.flat[a:b].clone()) and, for each AdamW moment k, ('optim/' + name + '/' + k, start, "
-    "flats[k][a - u.lo:b - u.lo].clone()), with flats from shard_state(opt, u); plus "
-    "AdamW's 0-dim state (its step counter), this rank's RNG state (torch.get_rng_state()), "
-    "the step and the world size, in one file per rank written with torch.save.")
+    "save, the pieces: each unit's layout (layout_of) and pieces_of say which elements of "
+    "which parameter this rank holds; each becomes a piece of the weight ('model/' + name) "
+    "and one of each AdamW moment ('optim/' + name + '/' + k, from shard_state), plus "
+    "AdamW's 0-dim state, this rank's RNG state, the step and the world size, in one file "
+    "per rank written with torch.save.")
 _CLONE = (
     "clone() each piece: torch.save writes a view's whole storage (the entire unit), not "
     "just the view's elements, so an unclone'd slice writes every element many times.")
 _ATOMIC = (
-    "save, atomically: the ranks write into a hidden folder, root/.tmp_step_{step:08d} (a "
-    "name starting with '.' is not a checkpoint), which rank 0 first empties (a save that "
-    "was killed may have left it: shutil.rmtree(tmp, ignore_errors=True)) and creates; a "
-    "dist.barrier() so nobody writes before it exists; the files; a barrier so every file "
-    "is on disk; then rank 0 renames the folder into place (os.replace(tmp, final)), the "
-    "last thing it writes; a last barrier. A rename is atomic: a kill at any moment leaves "
-    "the new checkpoint whole or invisible, and the previous ones untouched.")
+    "save, atomically: the ranks write into a hidden folder (a name starting with '.' is "
+    "not a checkpoint) that exists before anyone writes, and the folder gets its real name "
+    "by one rename (os.replace), the last thing written, once every rank's file is on disk. "
+    "A rename is atomic: a kill at any moment leaves the new checkpoint whole or invisible, "
+    "and the previous ones untouched.")
 _LOAD = (
-    "load: torch.load every file of the folder (weights_only=True) and index their pieces "
-    "by key. The weights are replicated: every rank reads every parameter whole, "
-    "p.data.view(-1).copy_(read(pieces, 'model/' + name, 0, p.numel())), not only its "
-    "shard. The moments are sharded: for each unit build flats = {k: "
-    "torch.zeros_like(u.shard)}, fill, for each (name, start, a, b) of pieces_of(...), "
-    "flats[k][a - u.lo:b - u.lo] from read(pieces, 'optim/' + name + '/' + k, start, b - a), "
-    "and set_shard_state(opt, u, flats, scalars) with the saved 0-dim state: AdamW's step "
+    "load: read every file of the folder and index their pieces by key; read() puts any "
+    "range back together from them, whoever wrote them. The weights are replicated: every "
+    "rank reads every parameter whole. The moments are sharded: for each unit, this rank's "
+    "pieces (pieces_of, for the world size load runs on) read back into flat moments laid "
+    "out like its shard, then set_shard_state with the saved 0-dim state: AdamW's step "
     "counter must come back too (its bias correction depends on it).")
 _RNG = (
     "load, the RNG: when the checkpoint was saved by as many ranks as load runs on, rank r "
     "restores rank r's saved state (torch.set_rng_state), so that dropout draws the masks "
     "the uninterrupted run would have; on another number of ranks leave it alone.")
 
-# hints that several checks share
-_HINT_PIECES_OF = (
-    'pieces_of: order = the layout sorted by group (sorted(layout, key=lambda e: '
-    'e[2]) is stable); total = sum of numels; S = ceil(total / world) (the buffer '
-    'is padded to S * world); lo, hi = rank * S, (rank + 1) * S; offset = 0; for '
-    'name, numel, _ in order: a, b = max(lo, offset), min(hi, offset + numel); if a'
-    ' < b: append (name, a - offset, a, b); offset += numel')
-_HINT_READ = (
-    "read: out = torch.empty(n, dtype of the key's pieces); have = torch.zeros(n, "
-    'dtype=torch.bool); for s, t in pieces[key]: a, b = max(start, s), min(start + '
-    'n, s + t.numel()); if a < b: out[a - start:b - start] = t[a - s:b - s] and '
-    'mark have[a - start:b - start]; if not have.all(): raise ValueError naming the'
-    ' key and the first missing element; return out')
-_HINT_SAVE = (
-    "save: final, tmp = root/f'step_{step:08d}', root/f'.tmp_step_{step:08d}'; rank"
-    ' 0: shutil.rmtree(tmp, ignore_errors=True), tmp.mkdir(parents=True); '
-    'dist.barrier(); for u in opt.units: flats, scalars = shard_state(opt, u); for '
-    '(name, start, a, b) in pieces_of(layout_of(u, names), rank, world): '
-    "('model/'+name, start, u.flat[a:b].clone()), and ('optim/'+name+'/'+k, start, "
-    'flats[k][a-u.lo:b-u.lo].clone()) for each k; torch.save(those pieces, scalars,'
-    " torch.get_rng_state(), step, world) to tmp/f'rank_{rank:05d}.pt'; barrier; "
-    'rank 0: os.replace(tmp, final); barrier; return final')
-_HINT_LOAD = (
-    'load: torch.load(f, weights_only=True) each file of the folder; pieces = {key:'
-    ' [(start, t), ...]} from all; with torch.no_grad(): each parameter p, whole: '
-    "p.data.view(-1).copy_(read(pieces, 'model/'+name, 0, p.numel())); for u in "
-    'opt.units: flats = {k: torch.zeros_like(u.shard)} per moment k; for (name, '
-    'start, a, b) in pieces_of(layout_of(u, names), rank, world): '
-    "flats[k][a-u.lo:b-u.lo] = read(pieces, f'optim/{name}/{k}', start, b-a); "
-    'set_shard_state(opt, u, flats, scalars saved); same world size: '
-    "torch.set_rng_state(rank's own); return the step")
+# the last tier of each: where the usual mistakes are (the answer itself is yours)
+_PITFALLS_PIECES = (
+    "Check your offsets on paper with the grader's cases: a parameter longer than a shard "
+    "spans three ranks, a rank may hold only padding (no piece at all), and `start` counts "
+    "from the parameter's first element while a and b count from the buffer's.")
+_PITFALLS_READ = (
+    "The pieces come in any order and may start before `start` or end after start + n: "
+    "take only each piece's overlap with the range. A key with no piece at all is a "
+    "KeyError; a range with any element in no piece is a ValueError.")
+_PITFALLS_SAVE = (
+    "Three things go wrong most: a folder made visible before every rank has written "
+    "(rename it into place last, once all files are on disk: barriers), a killed save's "
+    "hidden folder left in the way of the next save (empty it before creating it), and "
+    "views saved without clone() (torch.save writes the whole storage).")
+_PITFALLS_LOAD = (
+    "Every rank reads every weight whole (they are replicated), but only its own shard of "
+    "the moments; the step counter is AdamW's 0-dim state and must come back too; the RNG "
+    "state comes back only on the same number of ranks, each rank its own.")
 
 HINTS = {
-    "_pieces_one_group": [
-        _PIECES,
-        _HINT_PIECES_OF,
-    ],
-    "_pieces_padded": [
-        _PIECES,
-        _HINT_PIECES_OF,
-    ],
-    "_read_assembles": [
-        _READ,
-        _HINT_READ,
-    ],
-    "_read_gaps": [
-        _READ,
-        _HINT_READ,
-    ],
-    "_atomic": [
-        _ATOMIC,
-        _HINT_SAVE,
-    ],
-    "_bytes": [
-        _SAVE_PIECES, _CLONE,
-        _HINT_SAVE,
-    ],
-    "_loaded": [
-        _SAVE_PIECES, _LOAD,
-        _HINT_SAVE,
-        _HINT_LOAD,
-    ],
-    "_continues": [
-        _LOAD,
-        _HINT_SAVE,
-        _HINT_LOAD,
-    ],
-    "_same_world": [
-        _RNG,
-        _HINT_SAVE,
-        _HINT_LOAD,
-    ],
+    "_pieces_one_group": [_PIECES, _PITFALLS_PIECES],
+    "_pieces_padded": [_PIECES, _PITFALLS_PIECES],
+    "_read_assembles": [_READ, _PITFALLS_READ],
+    "_read_gaps": [_READ, _PITFALLS_READ],
+    "_atomic": [_ATOMIC, _PITFALLS_SAVE],
+    "_bytes": [_SAVE_PIECES, _CLONE, _PITFALLS_SAVE],
+    "_loaded": [_SAVE_PIECES, _LOAD, _PITFALLS_LOAD],
+    "_continues": [_LOAD, _PITFALLS_LOAD],
+    "_same_world": [_RNG, _PITFALLS_LOAD],
 }

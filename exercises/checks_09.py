@@ -5,11 +5,15 @@ implementation under test (`block.recompute = impl.checkpoint`). The oracle is t
 model, same weights, same batch, same seed, run without checkpointing: one forward and
 backward, every parameter's gradient compared bit for bit (fp32 and bf16 alike: the
 recomputation is the same arithmetic on the same inputs, so it gives the same bits).
-The bytes saved for backward are counted from outside (minidist.memory.count_saved_bytes:
-torch.autograd.graph.saved_tensors_hooks, deduplicated by storage, parameters left out)
-and compared with a block's input, B x T x d fp32 numbers. While the implementation
-runs, torch.utils.checkpoint's entry points are replaced by a tripwire: a solution that
-calls it fails every check.
+
+What a block keeps for backward is found where it really is (exercises/_measure.py), not
+counted by hooks learner code could stack its own under: each block runs alone on an
+input that requires grad, and the grader walks the autograd graph behind its output
+(every node's saved tensors, unpacked through whatever hooks were in force, and all a
+custom Function's ctx holds) and every tensor object that came alive during the call and
+is still alive; parameters, the output and RNG states left out. It must be the input,
+B x T x d fp32 numbers. While the implementation runs, torch.utils.checkpoint's entry
+points are replaced by a tripwire: a solution that calls it fails every check.
 """
 
 from __future__ import annotations
@@ -18,9 +22,8 @@ import contextlib
 
 import torch
 
-from exercises import _rules
+from exercises import _measure, _rules
 from exercises.grade import check
-from minidist.memory import count_saved_bytes
 from minidist.model import GPT, GPTConfig
 
 B, T, D, V = 3, 16, 32, 64
@@ -38,26 +41,33 @@ RULES = _rules.Rules(apis={f"torch.utils.checkpoint.{name}": RULE for name in (
 # tiered hints, gentlest first (python -m exercises.grade 09 --hint), by check function
 HINTS = {
     "check_gradients": [
-        "Pass the block's parameters to apply as inputs: F.apply(fn, x, *fn.__self__.parameters()); "
-        "backward then returns one gradient per input of forward (None for fn).",
-        "backward: x = x.detach().requires_grad_(); with torch.enable_grad(): y = ctx.fn(x); "
-        "grads = torch.autograd.grad(y, [x, *params], grad_y, allow_unused=True); "
-        "return (None, *grads).",
+        "A torch.autograd.Function gives you both halves: a forward that may run fn with "
+        "autograd off, and a backward that may run it again with autograd on. Gradients "
+        "reach parameters through backward only if they are inputs of the Function's apply.",
+        "In backward, recompute from a detached copy of the saved input that requires grad, "
+        "with autograd on, and differentiate the recomputed output with respect to that "
+        "copy and to the parameters (torch.autograd.grad); backward returns one gradient "
+        "per input of forward.",
     ],
     "check_saved_bytes": [
-        "Inside Function.forward autograd is off, so fn(x) records no graph; "
-        "ctx.save_for_backward(x) is then the only thing kept.",
-        "Calling fn(x) outside a Function, or saving fn's output or intermediates, keeps them all.",
+        "With autograd off, fn(x) records no graph; what your Function saves for backward "
+        "is then the only thing kept.",
+        "Calling fn(x) outside a Function, or keeping fn's output or intermediates (saved, "
+        "on ctx, or anywhere else), keeps them all: the grader looks at the graph and at "
+        "every tensor left alive.",
     ],
     "check_dropout": [
-        "In forward: ctx.rng = torch.get_rng_state() (and torch.cuda.get_rng_state(x.device) on a GPU).",
-        "In backward: with torch.random.fork_rng(): torch.set_rng_state(ctx.rng); then recompute. "
-        "fork_rng puts the run's own stream back afterwards.",
+        "Dropout draws from the random stream: the recomputation must start from the state "
+        "the forward started from.",
+        "Keep the generator's state in forward; in backward set it back for the "
+        "recomputation only, so that the run's own stream is where it was afterwards "
+        "(torch.random.fork_rng restores it on exit).",
     ],
     "check_autocast": [
-        "Backward runs outside the forward's torch.autocast block: record the state in forward.",
-        "kind = x.device.type; ctx.amp = (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)); "
-        "in backward: with torch.autocast(kind, dtype=dtype, enabled=on): recompute.",
+        "Backward runs outside the forward's torch.autocast block: record the state in "
+        "forward.",
+        "torch.is_autocast_enabled and torch.get_autocast_dtype, for the input's device "
+        "type, say what forward ran under; recompute under the same torch.autocast.",
     ],
 }
 
@@ -124,23 +134,48 @@ def check_gradients(impl):
     _compare(impl)
 
 
+def _kept(impl, block, x) -> tuple[int, str]:
+    """(bytes, what): what block `block` keeps for backward once checkpoint(fn, x) has
+    returned, found where it really is (exercises/_measure.py): every tensor the autograd
+    graph behind the output holds (the nodes' saved tensors, unpacked through whatever
+    hooks were in force, and everything a custom Function's ctx holds), and every tensor
+    object that came alive during the call and is still alive (stashed anywhere else), the
+    output itself, the parameters and the RNG states left out."""
+    mods = {getattr(impl.checkpoint, "__module__", None)}
+    params = _measure.storages(block.parameters())
+    before = {k for k, _ in [_measure.key(x)]} | params
+    with _measure.born_during() as new, _forbid_torch_checkpoint():
+        out = impl.checkpoint(block._forward, x)
+    if not isinstance(out, torch.Tensor):
+        raise AssertionError(f"checkpoint(fn, x) returned {type(out).__name__}, want fn(x), a tensor")
+    saved = _measure.graph_saved(out, modules=mods) if out.grad_fn is not None else {}
+    mine = _measure.key(out)[0]
+    kept = {k: v for k, v in saved.items() if k not in params and not _measure.is_rng_state(v[1])}
+    stashed = {k: v for k, v in new.tensors.items() if k not in before and k != mine
+               and k not in kept and not _measure.is_rng_state(v[1])}
+    graph, elsewhere = _measure.total(kept), _measure.total(stashed)
+    what = (f"{graph} bytes held by the autograd graph" if not elsewhere else
+            f"{graph} bytes held by the autograd graph and {elsewhere} more alive elsewhere "
+            "(tensors made during the call and kept somewhere other than the graph)")
+    del out
+    return graph + elsewhere, what
+
+
 @check("09", 2, "memory: each block keeps only its input for backward")
 def check_saved_bytes(impl):
     model = _model()
-    for b in model.blocks:
-        b.recompute = impl.checkpoint
-    x, y = _batch()
-    with _forbid_torch_checkpoint():
-        saved = count_saved_bytes(model, x, y)["blocks"]
     want = B * T * D * 4  # the block's input, fp32
-    for i, got in enumerate(saved):
+    g = torch.Generator().manual_seed(3)
+    for i, block in enumerate(model.blocks):
+        x = torch.randn(B, T, D, generator=g, requires_grad=True)
+        got, what = _kept(impl, block, x)
         if got > want:
-            raise AssertionError(f"block {i} kept {got} bytes for backward, {got / want:.1f} times its "
-                                 f"input ({want} bytes): run fn under torch.no_grad() in forward and "
-                                 "save only x")
+            raise AssertionError(f"block {i} keeps {got} bytes for backward ({what}), {got / want:.1f} "
+                                 f"times its input ({want} bytes): keep only x (the grader walks "
+                                 "the graph behind the output and every tensor left alive)")
         if got < want:
-            raise AssertionError(f"block {i} kept {got} bytes for backward, less than its input "
-                                 f"({want} bytes): backward needs x to recompute the block")
+            raise AssertionError(f"block {i} keeps {got} bytes for backward ({what}), less than its "
+                                 f"input ({want} bytes): backward needs x to recompute the block")
     _compare(impl, what=" (the memory check needs right gradients too)")
 
 

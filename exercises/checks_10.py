@@ -8,11 +8,14 @@ and computed there alongside: each rank can regenerate every other rank's inputs
 sums over ranks are computed without a collective.
 
 While the learner's code runs the grader records, per phase (forward, backward), every
-collective and point-to-point call that reaches a process group from Python: the methods
-of dist.ProcessGroup and of the gloo backend object that every torch.distributed call
-ends in, with its kind, its size in elements and whether it ran on the group given. It
-also counts the matrix-multiply FLOPs of the MLP with torch's FlopCounterMode, so work
-that only looks split (every rank computing the whole layer) shows.
+collective and point-to-point call, below torch.distributed's Python where every road to
+gloo meets (exercises/_traffic.py), with its kind, its size in elements and whether it
+ran on the group given; a group's backend object called directly, a group of the
+learner's own or the store scores the part 0. It
+also counts the matrix-multiply FLOPs of the MLP at torch's dispatcher, on every thread
+(exercises/_traffic.py), so work that only looks split (every rank computing the whole
+layer) shows; and f's backward and g's forward must carry this rank's share of the sum in
+their recorded all-reduces, so a sum moved any other way does not count.
 
 The rules are enforced twice (see LEARNER_RULES below):
 - before anything runs, the learner's file is read (its syntax tree): an import of
@@ -40,11 +43,11 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as _dist_nn_functional
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import minidist.tensor_parallel as _tp
 import minidist.tensor_parallel_gpt as _tp_gpt
 from exercises import _harness as H
+from exercises import _traffic
 from exercises import _rules
 from exercises.grade import check
 
@@ -249,11 +252,18 @@ class _Recorder:
     def __init__(self, group):
         self.group, self.events, self.phase = group, {}, None
         self.mine = {id(group), id(group._get_backend(torch.device("cpu")))}
+        self.sent = {}  # phase -> copies of what this rank's all-reduces carried
 
     def _seen(self, pg, name, args):
         if self.phase is not None:
             size = max([_numel(a) for a in args[:2]] + [0])
             self.events[self.phase].append((_KIND.get(name, name), size, id(pg) in self.mine))
+            if _KIND.get(name) == "all_reduce":
+                self.sent[self.phase] += [t.detach().clone() for t in args[0] if isinstance(t, torch.Tensor)]
+
+    def carried(self, phase: str, want: torch.Tensor) -> bool:
+        """Did an all-reduce of `phase` carry `want` (this rank's share of the sum), bit for bit?"""
+        return any(t.shape == want.shape and torch.equal(t, want) for t in self.sent.get(phase, []))
 
     def recording(self):
         return H.watching_process_groups(self._seen, (*_rules.COLLECTIVES, "send", "recv", "recv_anysource"))
@@ -261,6 +271,7 @@ class _Recorder:
     @contextmanager
     def __call__(self, phase: str):
         self.events.setdefault(phase, [])
+        self.sent.setdefault(phase, [])
         self.phase = phase
         try:
             yield
@@ -292,7 +303,8 @@ def _randn(seed: int, *shape) -> torch.Tensor:
 
 
 def _group(n: int):
-    return dist.new_group(list(range(n)), timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    with _rules.exempt():  # the grader's group: the recorder hands it out to the learner's code
+        return dist.new_group(list(range(n)), timeout=datetime.timedelta(seconds=TIMEOUT_S))
 
 
 def _close(got, want) -> bool:
@@ -349,6 +361,11 @@ def _first(*problems):
 
 # --------------------------------------------------------------------- the parts, run on every rank
 
+_NOT_CARRIED = ("{} summed over the ranks, but none of its all-reduces on the group carried this "
+                "rank's {} (the grader records what each all-reduce carries, below "
+                "torch.distributed's Python): the sum must travel in them, not another way")
+
+
 def _fg_part(fns: dict, r: int, n: int) -> dict:
     group = _group(n)
     rec = _Recorder(group)
@@ -377,6 +394,9 @@ def _fg_part(fns: dict, r: int, n: int) -> dict:
                                    "copy, not it in place", 2 * total)])
         if out["problem"]:
             return out
+        if n > 1 and not rec.carried("f backward", gys[r]):
+            out["problem"] = _NOT_CARRIED.format("copy_to_region's backward", "gradient")
+            return out
         # g: the sum forward, input untouched; the gradient passed back as it is
         x = xs[r].clone().requires_grad_()
         with rec("g forward"):
@@ -387,6 +407,9 @@ def _fg_part(fns: dict, r: int, n: int) -> dict:
             None if torch.equal(x.detach(), xs[r]) else
             "reduce_from_region(x) changed x: reduce a copy (x may be needed elsewhere)")
         if out["problem"]:
+            return out
+        if n > 1 and not rec.carried("g forward", xs[r]):
+            out["problem"] = _NOT_CARRIED.format("reduce_from_region's forward", "input")
             return out
         with rec("g backward"):
             s.backward(gys[r])
@@ -490,35 +513,14 @@ def _row_part(fns: dict, r: int, n: int) -> dict:
     return out
 
 
-class _MatmulFlops(TorchDispatchMode):
-    """FLOPs of the matrix multiplies that reach aten (what F.linear, @, torch.mm, einsum
-    and bmm become below autograd): 2 per multiply-add. torch's FlopCounterMode counts
-    the same, but its first use imports torch._dynamo: seconds per rank."""
-
-    @classmethod
-    def _should_skip_dynamo(cls):  # nothing here is compiled: no torch._dynamo import
-        return False
-
-    def __init__(self):
-        super().__init__()
-        self.flops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        shapes = [a.shape for a in args if isinstance(a, torch.Tensor)]
-        if name in ("mm", "bmm"):
-            a, b = shapes[:2]
-            self.flops += 2 * a.numel() * b[-1]
-        elif name in ("addmm", "baddbmm"):
-            a, b = shapes[1:3]
-            self.flops += 2 * a.numel() * b[-1]
-        return func(*args, **(kwargs or {}))
-
-
 def _flops(fn) -> int:
-    with _MatmulFlops() as counter:
+    """FLOPs of the matrix multiplies that reach aten while fn runs (what F.linear, @,
+    torch.mm, einsum and bmm become below autograd), 2 per multiply-add, on every thread:
+    counted at torch's dispatcher (exercises/_traffic.py), where no learner code can step
+    around the count."""
+    with _traffic.counting_matmuls() as mm:
         fn()
-    return counter.flops
+    return sum(f for _, _, f in mm)
 
 
 def _mlp_part(fns: dict, r: int, n: int) -> dict:

@@ -17,8 +17,11 @@ that are loaded on the ranks or in a child forked per check, under a time limit
 
 Hints are tiered and asked for: `--hint` grades, then shows the next hint of the first
 failing check (the first call its first hint, the next call the second, ...), `--hint K`
-its K-th. A check's hints are `@check(..., hints=[...])`, or an entry of a `HINTS` dict
-in exercises/checks_NN.py keyed by the check function's name (or the check's name). How
+its K-th. The last tier stops short of the finished code: the answer itself is a
+separate, explicit command, `--reference`, which grades minidist's implementation named
+in the file's REFERENCE (where to read it). A check's hints are `@check(..., hints=[...])`,
+or an entry of a `HINTS` dict in exercises/checks_NN.py keyed by the check function's
+name (or the check's name). How
 many hints of each check were shown is kept in a small JSON file outside the repository,
 $XDG_CACHE_HOME/minidist/hints.json (~/.cache/minidist/hints.json when unset;
 MINIDIST_HINT_STATE names another file), so a learner's clone stays clean.
@@ -342,7 +345,9 @@ def hint(result: Result, k: int | None = None) -> str:
         path.write_text(json.dumps(state, indent=1, sort_keys=True))
     except (OSError, ValueError):  # a read-only home: the hint still shows, the count does not advance
         pass
-    more = ("this is the last one" if k == len(hints) else
+    more = ("this is the last one: the hints stop short of the answer; minidist's, named in "
+            f"the file's REFERENCE, is graded by `python -m exercises.grade {result.nn} --reference`"
+            if k == len(hints) else
             f"`python -m exercises.grade {result.nn} --hint` shows hint {k + 1}")
     return "\n".join(([note, ""] if note else [])
                      + [f"Hint {k} of {len(hints)} for {result.name}, '{failing.name}' ({more}):", ""]

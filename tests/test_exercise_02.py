@@ -185,23 +185,24 @@ CHECK = {"rs": "ring_reduce_scatter", "ag": "ring_all_gather", "fp32": "all_redu
 
 MISTAKES = {
     # name: (overrides, checks that must fail, a phrase each failure message contains)
-    "no add on the last step": (
+    "no add on the last step": (  # the ring's run checks the sum too
         dict(ring_reduce_scatter=rs_copies_on_last_step, all_reduce=ar_copies_on_last_step),
-        {"rs", "fp32", "bf16"}, "the sum over ranks is"),
+        {"rs", "fp32", "bf16", "ring"}, "the sum over ranks is"),
     "sends to the left, indices unchanged": (
         dict(ring_reduce_scatter=rs_wrong_neighbour, ring_all_gather=ag_wrong_neighbour,
              all_reduce=ar_wrong_neighbour),
         set(CHECK), "a send met the wrong receive"),
-    "a ring going left": (
+    "a ring going left": (  # the direction is a rule of every part
         dict(ring_reduce_scatter=rs_mirrored, ring_all_gather=ag_mirrored, all_reduce=ar_mirrored),
-        {"ring"}, "sends only to its right neighbour"),
+        set(CHECK), "sends only to its right neighbour"),
     "dist.all_reduce": (dict(all_reduce=ar_torch), {"fp32", "bf16", "p2p", "ring"},
                         "dist.all_reduce (ProcessGroup.allreduce) was called, which this exercise forbids"),
     "all_reduce per chunk, broadcast": (
         dict(ring_reduce_scatter=rs_all_reduce_per_chunk, ring_all_gather=ag_broadcast,
              all_reduce=ar_collectives),
         set(CHECK), "which this exercise forbids: only dist.isend/irecv/send/recv"),
-    "through rank 0": (dict(all_reduce=ar_through_rank_0), {"ring"}, "sent"),
+    "through rank 0": (dict(all_reduce=ar_through_rank_0), {"fp32", "bf16", "p2p", "ring"},
+                       "sends only to its right neighbour"),
 }
 
 

@@ -46,8 +46,13 @@ class Plain:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag
 
-    @torch.no_grad()
     def unscale_(self, optimizer):
+        if self.found is not None:  # as GradScaler: once per step
+            raise RuntimeError("unscale_() was already called since the last update()")
+        self._unscale(optimizer)
+
+    @torch.no_grad()
+    def _unscale(self, optimizer):
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         for g in grads:
             g.div_(self.s)
@@ -60,6 +65,8 @@ class Plain:
         return None if self.found else optimizer.step()
 
     def update(self):
+        if self.found is None:  # as GradScaler: no verdict, nothing to act on
+            raise RuntimeError("update() with no unscale_() or step() since the last update()")
         self._overflow() if self.found else self._clean()
         self.found = None
 
@@ -154,8 +161,19 @@ class StateWithoutCounters(Plain):
 
 class UnscalesTwice(Plain):  # step() unscales even after unscale_()
     def step(self, optimizer):
-        self.unscale_(optimizer)
+        self._unscale(optimizer)
         return None if self.found else optimizer.step()
+
+
+class SecondUnscaleDivides(Plain):  # a second unscale_() in a step divides again, silently
+    def unscale_(self, optimizer):
+        self._unscale(optimizer)
+
+
+class BareUpdateIsClean(Plain):  # update() without a verdict counts as a clean step
+    def update(self):
+        self._overflow() if self.found else self._clean()
+        self.found = None
 
 
 class NeverUnscales(Plain):  # right verdict, but the optimizer sees S times the gradient
@@ -174,7 +192,7 @@ class LocalVerdict(Plain):  # each rank decides alone
 CHECK5 = {"scale": "scale() and unscale_()", "random": "random inf", "params": "skipped steps leave",
           "ceiling": "float32's maximum", "hysteresis": "hysteresis: back off",
           "nonfinite": "NaN and -inf are", "min_scale": "min_scale:", "state": "state_dict",
-          "ranks": "2 ranks", "shards": "find the bug"}
+          "ranks": "2 ranks", "shards": "find the bug", "misuse": "misuse refused"}
 
 MISTAKES5 = {
     # name: (scaler, checks that must fail, a phrase each failure message contains)
@@ -191,8 +209,11 @@ MISTAKES5 = {
     "no error at min_scale": (NoCollapseError, {"min_scale"}, "no FloatingPointError"),
     "an error that says nothing": (UnhelpfulCollapseError, {"min_scale"}, "say what to try"),
     "state without counters": (StateWithoutCounters, {"state"}, "growth tracker and the overflow streak"),
-    "unscales twice": (UnscalesTwice, {"scale", "params"}, "divided by S twice"),
-    "never unscales": (NeverUnscales, {"scale", "params"}, "S times too large"),
+    "unscales twice": (UnscalesTwice, {"scale", "params", "misuse"}, "divided by S twice"),
+    "never unscales": (NeverUnscales, {"scale", "params", "misuse"}, "S times too large"),
+    "a second unscale_ divides again": (SecondUnscaleDivides, {"misuse"}, "raised nothing"),
+    "update() without a verdict is a clean step": (BareUpdateIsClean, {"misuse"},
+                                                   "no verdict to act on"),
 }
 
 
@@ -215,7 +236,9 @@ def test_05_mistake_loses_the_points_of_its_checks(mistake, monkeypatch):
     assert which == must_fail, messages
     assert 0 < r.points < r.max_points
     for name, msg in messages.items():
-        assert phrase in msg and "not implemented" not in msg, (name, msg)
+        assert "not implemented" not in msg, (name, msg)
+        # the misuse check fails with its own words when a mistake also breaks the step after
+        assert phrase in msg or (CHECK5["misuse"] in name and must_fail != {"misuse"}), (name, msg)
 
 
 def _plain_on_ranks(fns, r, n):

@@ -159,7 +159,7 @@ class SkipsCollectiveMuon(PlainMuon):  # the owner of a matrix without gradient 
 CHECK7 = {"singular": "each singular value", "tall": "newton_schulz, tall", "batched": "batched",
           "dtype": "dtype: runs in", "zeros": "zero matrix", "bits": "bit for bit torch's own",
           "one": "Muon, one process", "ranks": "every rank's parameters",
-          "state": "momentum only on its owner", "missing": "some gradients None",
+          "state": "Newton-Schulz only on its owner", "missing": "some gradients None",
           "shards": "the shards put together", "shard_momentum": "momentum whole, on its owner",
           "shard_bytes": "bytes received per rank"}
 SHARD_CHECKS = {"shards", "shard_momentum", "shard_bytes"}
@@ -256,8 +256,8 @@ def _skips_missing(fns, r, n):
 RANK_PARTS = {
     # name: (class, its parts by the grader's part names, {check that must fail: phrase})
     "plain": (PlainMuon, {"full": _plain_full, "missing": _plain_missing}, {}),
-    "everyone": (EveryoneMuon, {"full": _everyone_full, "missing": _everyone_missing},
-                 {"state": "only its owner"}),
+    "everyone": (EveryoneMuon, {"full": _everyone_full, "missing": _everyone_missing},  # no update travels
+                 {"state": "only its owner", "ranks": "all_gather", "missing": "all_gather"}),
     "no_gather": (NoGatherMuon, {"full": _no_gather_full, "missing": _no_gather_missing},
                   {"ranks": "all_gather", "missing": "all_gather"}),
     "skips": (SkipsCollectiveMuon, {"full": _skips_full, "missing": _skips_missing},
