@@ -49,7 +49,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from minidist.bench.timing import interleaved
 from minidist.launch import launch
@@ -124,6 +123,8 @@ def _versus_torch(cfg: dict, B: int, ms, rounds: int) -> list | None:
     """On every stage: per schedule and m, the largest gradient difference after one step of
     ours and one of torch's from the same weights, then both timed in turns; rank 0 gets
     every stage's (difference, our median s, torch's median s)."""
+    # imported here, on the ranks that compare: it takes seconds, and nothing else needs it
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     dev, p, rank = _rank_device(), dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     full = GPT(GPTConfig(**cfg)).to(dev)
