@@ -28,6 +28,8 @@ import types
 
 import torch
 
+from exercises._traffic import tensors_in
+
 
 def key(t: torch.Tensor) -> tuple[int, int]:
     """(address, bytes) of the storage behind `t`."""
@@ -155,28 +157,20 @@ def graph_saved(output: torch.Tensor, stop=(), modules=()) -> dict:
                     value = getattr(node, name)
                 except Exception:  # freed, or not a tensor
                     continue
-                for t in _tensors(value):
+                for t in tensors_in(value):
                     found.setdefault(key(t)[0], (key(t)[1], t))
         if isinstance(node, torch.autograd.function.BackwardCFunction):
             try:
                 saved = node.saved_tensors
             except Exception:
                 saved = ()
-            for t in _tensors(saved):
+            for t in tensors_in(saved):
                 found.setdefault(key(t)[0], (key(t)[1], t))
             found.update({k: v for k, v in reachable(list(getattr(node, "__dict__", {}).values()),
                                                      modules).items() if k not in found})
         for nxt, _ in node.next_functions:
             todo.append(nxt)
     return found
-
-
-def _tensors(x) -> list:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for y in x for t in _tensors(y)]
-    return []
 
 
 def alive() -> dict:

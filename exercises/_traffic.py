@@ -122,41 +122,42 @@ class Event:
         return f"Event{(self.kind, self.op, self.peer, self.sent, self.received, self.phase)}"
 
 
-def _tensors(x) -> list:
+def tensors_in(x) -> list:
+    """The tensors in x: a tensor, or lists and tuples of them (nested)."""
     if isinstance(x, torch.Tensor):
         return [x]
     if isinstance(x, (list, tuple)):
-        return [t for y in x for t in _tensors(y)]
+        return [t for y in x for t in tensors_in(y)]
     return []
 
 
 def _nbytes(x) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(x))
+    return sum(t.numel() * t.element_size() for t in tensors_in(x))
 
 
 def _layout(op: str, a: tuple) -> tuple[list, list, int | None]:
     """(what this rank sends, what it receives into, the root or peer (a group rank)) of
     operator `op` called with arguments `a` (the group left out)."""
     if op in ("allreduce_", "allreduce_coalesced_"):
-        return _tensors(a[0]), _tensors(a[0]), None
+        return tensors_in(a[0]), tensors_in(a[0]), None
     if op in ("allgather_", "_allgather_base_", "allgather_coalesced_", "allgather_into_tensor_coalesced_",
               "reduce_scatter_", "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_",
               "alltoall_", "alltoall_base_"):
-        return _tensors(a[1]), _tensors(a[0]), None
+        return tensors_in(a[1]), tensors_in(a[0]), None
     if op == "broadcast_":
-        return _tensors(a[0]), _tensors(a[0]), a[1]
+        return tensors_in(a[0]), tensors_in(a[0]), a[1]
     if op == "reduce_":
-        return _tensors(a[0]), _tensors(a[0]), a[2]
+        return tensors_in(a[0]), tensors_in(a[0]), a[2]
     if op == "gather_":
-        return _tensors(a[1]), _tensors(a[0]), a[2]
+        return tensors_in(a[1]), tensors_in(a[0]), a[2]
     if op == "scatter_":
-        return _tensors(a[1]), _tensors(a[0]), a[2]
+        return tensors_in(a[1]), tensors_in(a[0]), a[2]
     if op == "send":
-        return _tensors(a[0]), [], a[1]
+        return tensors_in(a[0]), [], a[1]
     if op == "recv_":
-        return [], _tensors(a[0]), a[1]
+        return [], tensors_in(a[0]), a[1]
     if op == "recv_any_source_":
-        return [], _tensors(a[0]), None
+        return [], tensors_in(a[0]), None
     return [], [], None  # the barriers
 
 
