@@ -4,7 +4,7 @@ Multi-process checks (exercises 03 to 08) share this: starting processes is the 
 (seconds per launch on a small CPU), so one call per world size runs every "part" (a
 function `part(fns, rank, world_size) -> picklable result`, one per thing to measure)
 and the checks read their results from a cache, computed once per implementation. The
-calls go to `minidist.pool.shared_pool`: processes started for one grading serve the
+calls go to `minidist.run.pool.shared_pool`: processes started for one grading serve the
 next (the next exercise, or the next implementation a test grades), each call in a new
 process group; a call that fails stops them, and the next call starts fresh ones.
 
@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from exercises import _rules, _traffic
 from minidist.launch import LaunchError
-from minidist.pool import shared_pool
+from minidist.run.pool import shared_pool
 
 
 class PartFailed(RuntimeError):

@@ -5,7 +5,7 @@ file's syntax tree (exercises/_filecheck.py) and grades with `LearnerRef`s: refe
 the file's functions and classes that travel by name and are loaded only where they are
 used, so the learner's code (its module's top level included) runs
 
-- on the ranks of minidist.pool's processes, for the multi-process parts (a LearnerRef
+- on the ranks of minidist.run.pool's processes, for the multi-process parts (a LearnerRef
   pickles to "load this name from this file", loaded on the rank; exercises/_harness.py's
   watchdog and deadline stop a rank that hangs there), or
 - in a child forked for one check (`run_apart`), for a check that calls the learner's code
@@ -81,7 +81,8 @@ class LearnerRef:
 
     @classmethod
     def of(cls, path, module: str, name: str) -> "LearnerRef":
-        digest = hashlib.sha1(open(path, "rb").read()).hexdigest()
+        with open(path, "rb") as f:
+            digest = hashlib.sha1(f.read()).hexdigest()
         return cls(str(path), module, name, digest)
 
     def _key(self):
@@ -131,7 +132,7 @@ def _child_fresh_processes() -> None:
     """In the forked child: processes the grading process holds (its pools, its fork
     server) are not the child's to drive; the child starts its own if it needs them."""
     try:
-        import minidist.pool as pool
+        import minidist.run.pool as pool
         # kept referenced: freeing them here would stop a rendezvous server thread that
         # is not in the fork (a crash); os._exit ends the child without freeing anything
         _INHERITED.append(dict(pool._SHARED))
@@ -151,7 +152,7 @@ def _child_fresh_processes() -> None:
 
 def _close_child_pools() -> None:
     try:
-        import minidist.pool as pool
+        import minidist.run.pool as pool
         for p in pool._SHARED.values():
             p.close(wait_s=2)
     except Exception:

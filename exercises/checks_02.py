@@ -1,7 +1,7 @@
 """Graded checks of exercise 02 (exercises/02_collectives.py), registered with exercises.grade.
 
 The functions under test run where they must: in 2 and 3 processes of
-minidist.pool.shared_pool (launch's processes, kept for the next grading), with a gloo
+minidist.run.pool.shared_pool (launch's processes, kept for the next grading), with a gloo
 process group. The oracle is torch.distributed's own
 all_reduce and all_gather on the same data; only the grader calls them.
 
@@ -41,7 +41,7 @@ from exercises._harness import per_world_size
 from exercises.grade import check
 from minidist import comm
 from minidist.launch import LaunchError
-from minidist.pool import shared_pool
+from minidist.run.pool import shared_pool
 
 WORLD_SIZES = (2, 3)  # 3 is the smallest ring where the direction matters
 # A part still running after TIMEOUT_S hangs (a deadlock, an endless loop): the rank is

@@ -1,6 +1,6 @@
 """Graded checks of exercise 10 (exercises/10_tensor_parallel.py), registered with exercises.grade.
 
-Everything runs where it must: in 2 and 3 processes of minidist.pool's shared pools, one
+Everything runs where it must: in 2 and 3 processes of minidist.run.pool's shared pools, one
 call per world size for every part (see exercises/_harness.py), each part on a process
 group of its own that the grader makes and hands to the learner's code. The oracle is the
 full layer or MLP (plain torch, no communication), built on every rank from the same seed

@@ -1,6 +1,6 @@
 """Graded checks of exercise 11 (exercises/11_pipeline.py), registered with exercises.grade.
 
-Every schedule runs where it must: in 2 and 4 processes of minidist.pool's shared pools
+Every schedule runs where it must: in 2 and 4 processes of minidist.run.pool's shared pools
 (exercises/_harness.py), one pipeline stage per rank, on a process group the grader makes
 for the pipe. The grader builds the stages itself: a tiny GPT (minidist.model's blocks,
 four of them) cut into p stages of contiguous blocks, the embeddings on the first, the

@@ -6,7 +6,7 @@ tests/test_dist.py.
 
 `init()` sets up a process group inside a program started by torchrun (or plain
 `python`, as world size 1). To start processes from a test, notebook or exercise, see
-minidist/launch.py, which builds on this module.
+minidist/run/launch.py, which builds on this module.
 
 The backend follows the hardware: NCCL with one GPU per process when CUDA has enough
 GPUs, gloo on CPU otherwise. Every process group gets a timeout, so a peer that never

@@ -37,6 +37,9 @@ What it adds beyond GradScaler:
   scale grows, not after each clean step.)
 - min_scale: when gradients are inf or NaN even at the smallest allowed scale, scaling
   cannot be the cure, and the scaler stops the run with an error saying what to try.
+
+The module reads in that order: PlainScaler, the idea alone in one process, then
+LossScaler, what train_gpt uses.
 """
 
 from __future__ import annotations
@@ -50,6 +53,45 @@ FP32_MAX = torch.finfo(torch.float32).max
 def _f32(x: float) -> float:
     """x rounded to float32, the dtype GradScaler keeps its scale in (inf if too large)."""
     return torch.tensor(x, dtype=torch.float64).float().item()
+
+
+class PlainScaler:
+    """The plain dynamic loss scaler, in one process: the whole idea in four calls, before
+    LossScaler below adds hysteresis, ranks that agree on a skip, min_scale, checkpoints
+    and the checks against misuse. With the same settings it takes the decisions
+    torch.amp.GradScaler takes (tests/test_scaler.py holds the three side by side)."""
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000):
+        self.s = _f32(init_scale)  # the scale S, kept in float32 as GradScaler keeps it
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval = growth_interval
+        self.clean_steps = 0  # consecutive steps without an overflow
+        self.found_inf = False
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.s  # every gradient of backward is now S times too large
+
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale the gradients; take the step only if all of them are finite."""
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        for g in grads:
+            g.mul_(1.0 / self.s)
+        self.found_inf = not all(bool(torch.isfinite(g).all()) for g in grads)
+        if not self.found_inf:
+            optimizer.step()
+
+    def update(self) -> None:
+        """Halve S after an overflow; double it after growth_interval clean steps."""
+        if self.found_inf:
+            self.s, self.clean_steps = _f32(self.s * self.backoff_factor), 0
+            return
+        self.clean_steps += 1
+        if self.clean_steps == self.growth_interval:
+            grown = _f32(self.s * self.growth_factor)
+            self.s = grown if grown <= FP32_MAX else self.s  # never grow to inf
+            self.clean_steps = 0
 
 
 class ScaleCollapseError(FloatingPointError):

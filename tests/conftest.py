@@ -29,10 +29,10 @@ def python():
 
 @pytest.fixture(scope="session")
 def pool():
-    """pool(n): the minidist.pool.Pool of n ranks this test session shares (the exercise
+    """pool(n): the minidist.run.pool.Pool of n ranks this test session shares (the exercise
     grader takes its processes from the same place). `pool(2).run(fn, *args)` is
     `launch(fn, 2, *args)` without the process start: each call gets a new process group
     and a fresh process's RNG, environment and threads; a failed call restarts the pool.
     Functions that patch modules in the ranks, or kill them on purpose, keep launch."""
-    from minidist.pool import shared_pool
+    from minidist.run.pool import shared_pool
     return shared_pool

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from minidist import comm
 from minidist.launch import launch
-from minidist.pool import shared_pool
+from minidist.run.pool import shared_pool
 
 SIZES = (1, 2, 7, 1000, 4099)  # 1 element, fewer than ranks, odd, divisible, prime
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from minidist.dist import init
 from minidist.launch import LaunchError, launch
-from minidist.pool import Pool
+from minidist.run.pool import Pool
 
 
 def _who_and_sum(offset):

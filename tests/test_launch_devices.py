@@ -18,11 +18,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import minidist.launch as L
-import minidist.pool as P
+import minidist.run.launch as L
+import minidist.run.pool as P
 from conftest import ROOT
 from minidist.launch import launch
-from minidist.pool import Pool
+from minidist.run.pool import Pool
 
 # The ProcessGroup methods that move tensors: torch.distributed's functions all call one
 # of them (dist.all_reduce -> allreduce, dist.isend -> send, ...), so do minidist.comm's.

@@ -1,4 +1,5 @@
-"""Dynamic loss scaling (minidist.scaler): the trajectory of torch.amp.GradScaler under
+"""Dynamic loss scaling (minidist.scaler): the trajectory of torch.amp.GradScaler (and of
+the module's PlainScaler) under
 injected overflows, hysteresis, min_scale, ranks agreeing on a skip, checkpoints, and fp16
 / bf16 training of the GPT against fp32 over the same steps."""
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from minidist import train_gpt
-from minidist.scaler import FP32_MAX, LossScaler, ScaleCollapseError
+from minidist.scaler import FP32_MAX, LossScaler, PlainScaler, ScaleCollapseError
 
 
 def _grads(step, n=6):
@@ -48,9 +49,11 @@ def test_hysteresis_1_matches_torch_gradscaler(p_overflow, growth_interval, step
               growth_interval=growth_interval)
     ours = _drive(LossScaler(**kw, hysteresis=1, min_scale=2.0**-100), pattern)
     theirs = _drive(torch.amp.GradScaler("cpu", **kw), pattern)
-    assert [o[:2] for o in ours] == [t[:2] for t in theirs]  # scales and skipped steps
-    for (_, _, a), (_, _, b) in zip(ours, theirs):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)  # unscaled gradients stepped alike
+    plain = _drive(PlainScaler(**kw), pattern)  # the module's simple form, before LossScaler
+    for other in (theirs, plain):
+        assert [o[:2] for o in ours] == [t[:2] for t in other]  # scales and skipped steps
+        for (_, _, a), (_, _, b) in zip(ours, other):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=0)  # unscaled gradients stepped alike
     scales = [o[0] for o in ours]
     assert len(set(scales)) > 3  # the pattern exercised both directions, not a constant scale
     if p_overflow == 0:

@@ -5,9 +5,13 @@ teach them (minidist/*.py). Chapter 08 (chapters/08_at_scale.md) describes the r
     flag_types.py          each flag's range, where argparse reads it;
     flag_checks.py         the checks that span several flags, and --config files
     outputs.py             what a run leaves (metrics.jsonl, summary.json, loss.png) and how it ends
+    launch.py              launch(fn, world_size, *args): fn in N local processes (chapter 02;
+                           public as minidist.launch, the one name notebooks and exercises import)
+    pool.py                Pool / shared_pool: launch's processes kept alive across calls
+                           (the tests, the exercise grader)
 
-The benchmarks are the workshop's other half, minidist/bench/. Starting processes
-(minidist/launch.py, minidist/pool.py) is still at the top level, on the ground floor, under
-the public name minidist.launch. Chapter modules import nothing from here
-(tests/test_frames.py holds the floor map).
+The benchmarks are the workshop's other half, minidist/bench/. launch.py and pool.py stand on
+the ground floor of tests/test_frames.py's floor map (they need only minidist/dist.py), so
+that anything may start processes; the rest of run/ is the top floor. Chapter modules
+import nothing from here.
 """

@@ -11,7 +11,7 @@ from __future__ import annotations
 import atexit
 import os
 
-from minidist.launch import choose_backend, collect_results, dumps, raise_failure, start_ranks, stop_ranks
+from minidist.run.launch import choose_backend, collect_results, dumps, raise_failure, start_ranks, stop_ranks
 
 
 class Pool:
