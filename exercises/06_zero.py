@@ -16,10 +16,10 @@ The bytes on the wire stay those of data parallelism: a reduce-scatter plus an
 all-gather move what one all-reduce moves (2 Psi (N-1)/N elements per rank per step).
 
 The layout (written for you, below): the trainable parameters are cut into buckets of
-about `bucket_cap_mb`; each bucket is a minidist.zero._Unit, one flat buffer padded to a
+about `bucket_cap_mb`; each bucket is a minidist.zero.Unit, one flat buffer padded to a
 multiple of N that the parameters of the bucket now live in (each p.data is a view of
 it), of which rank r owns elements [r*S, (r+1)*S), S = padded length / N. A parameter
-may straddle two ranks; an elementwise optimizer does not mind. What a _Unit `u` holds:
+may straddle two ranks; an elementwise optimizer does not mind. What a Unit `u` holds:
 
     u.params       its parameters, sorted by param group (p.data is a view into u.flat)
     u.flat         the padded flat buffer of parameters (the zeros at its end: padding)
@@ -118,7 +118,7 @@ import torch.distributed as dist
 
 from minidist import comm  # noqa: F401 - for you: comm.reduce_scatter, comm.all_gather
 from minidist.ddp import make_buckets  # DDP's buckets: the same bucket_cap_mb everywhere
-from minidist.zero import _Unit  # the flat padded bucket described above
+from minidist.zero import Unit  # the flat padded bucket described above
 
 
 class ShardedOptimizer:
@@ -172,14 +172,14 @@ class ShardedOptimizer:
             for p in ordered:
                 p.register_post_accumulate_grad_hook(self._on_grad)
 
-    def _make_units(self, ordered: list, group_of: dict, bucket_cap_mb) -> list[_Unit]:
+    def _make_units(self, ordered: list, group_of: dict, bucket_cap_mb) -> list[Unit]:
         """Written for you. DDP's buckets (minidist.ddp.make_buckets: about bucket_cap_mb
         MiB each, 0 one per parameter, None one for all), in reverse order: with `module`
         given, reverse registration order, roughly the order backward completes the
         gradients (so that reducing in unit index order holds few gradients back);
         otherwise the reverse of the param groups' order. A bucket holds at least one
         parameter."""
-        return [_Unit(b, group_of, self.rank, self.world)
+        return [Unit(b, group_of, self.rank, self.world)
                 for b in make_buckets(list(reversed(ordered)), bucket_cap_mb)]
 
     @property
@@ -235,7 +235,7 @@ class ShardedOptimizer:
             "_on_grad is not written yet (`python -m exercises.grade 06 --hint` gives a hint)")
 
     @torch.no_grad()
-    def _reduce(self, u: _Unit) -> None:
+    def _reduce(self, u: Unit) -> None:
         """Start the reduce-scatter of unit u's gradients; free its full gradients."""
         raise NotImplementedError(
             "_reduce is not written yet (`python -m exercises.grade 06 --hint` gives a hint)")
@@ -320,6 +320,6 @@ class ShardedGradAccumulator:
 # Where minidist implements it; `python -m exercises.grade 06 --reference` grades it
 # instead of the stub above. Leave it as it is.
 REFERENCE = {
-    "ShardedOptimizer": "exercises.checks_06:ReferenceShardedOptimizer",
+    "ShardedOptimizer": "minidist.zero:ShardedOptimizer",
     "ShardedGradAccumulator": "exercises.checks_06:ReferenceGradAccumulator",
 }

@@ -12,7 +12,7 @@ optimizer state's ("optim/blocks.0.mlp.c_fc.weight/exp_avg"). Resuming on M rank
 rank works out which elements of which keys it now holds, and copies them from whichever
 saved pieces overlap them, whatever N wrote them.
 
-The layout (chapter 06, minidist.zero._Unit): the parameters of a bucket live in one flat
+The layout (chapter 06, minidist.zero.Unit): the parameters of a bucket live in one flat
 buffer. Its parameters are laid out SORTED BY PARAM GROUP (a stable sort: within a group
 they keep the bucket's order), back to back, and the buffer is PADDED with zeros to a
 multiple of the world size N. Rank r owns elements [r*S, (r+1)*S) of it, S = ceil(total/N).
@@ -190,7 +190,7 @@ def load(path, model, opt) -> int:
         "load is not written yet (`python -m exercises.grade 08 --hint` gives a hint)")
 
 
-# Where minidist implements each (minidist/checkpoint.py and minidist.zero._Unit.pieces,
+# Where minidist implements each (minidist/checkpoint.py and minidist.zero.Unit.pieces,
 # through thin adapters that give its save, load, Reader.read and pieces these signatures); `python -m exercises.grade
 # 08 --reference` grades these instead of the stubs above. Leave it as it is.
 REFERENCE = {

@@ -364,7 +364,7 @@ _YOURS = "the sharding is yours to write: no torch ZeRO, FSDP or DDP in exercise
 # minidist's modules for this exercise's idea: the learner's file may not name them
 # (exercises/_filecheck.py reads it before anything runs)
 IDEA_MODULES = ("minidist.zero",)
-IDEA_ALLOWED = ("minidist.zero._Unit",)  # what the stub itself hands out
+IDEA_ALLOWED = ("minidist.zero.Unit",)  # what the stub itself hands out
 RULES = _rules.Rules(apis={"torch.distributed.optim.ZeroRedundancyOptimizer": _YOURS,
                            _rules.TORCH_DDP: _YOURS,
                            **{name: _YOURS for name in _rules.TORCH_FSDP}})
@@ -391,40 +391,6 @@ def _zero_redundancy_part(fns, r: int, n: int) -> dict:
             _rules.scan_built(model, opt)
         out[who] = [p.detach().clone() for p in model.parameters()]
     return out
-
-
-def _reference_sharded_optimizer():
-    from minidist.zero import ShardedOptimizer
-
-    class ReferenceShardedOptimizer(ShardedOptimizer):
-        """minidist.zero.ShardedOptimizer, its units' reduce-scatters started in unit index
-        order at stage 2 (a complete unit waits for the ones before it), as exercise 06
-        requires (chapter 03's rule: ranks pair collectives by the order they are issued).
-        minidist's own starts each unit as soon as it is complete."""
-
-        def _on_grad(self, p) -> None:
-            if self._no_sync:
-                return
-            if not self._queued:  # once per backward
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-                self._queued, self._started = True, 0
-            self._unit_of[p].ready += 1
-            while (self.stage >= 2 and self._started < len(self.units)
-                   and self.units[self._started].ready == len(self.units[self._started].params)):
-                self._reduce(self.units[self._started])
-                self._started += 1
-
-        def _end_of_backward(self) -> None:
-            for u in self.units[getattr(self, "_started", 0) if self.stage >= 2 else 0:]:
-                self._reduce(u)  # in index order, the same on every rank
-            self._started = len(self.units)
-            self.finish_gradient_synchronization()
-
-    ReferenceShardedOptimizer.__qualname__ = "ReferenceShardedOptimizer"
-    return ReferenceShardedOptimizer
-
-
-ReferenceShardedOptimizer = _reference_sharded_optimizer()
 
 
 class ReferenceGradAccumulator:

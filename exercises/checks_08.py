@@ -950,13 +950,13 @@ def _same_world(impl):
 # ============================================================================ the reference, adapted
 
 def reference_pieces_of(layout, rank: int, world: int):
-    """minidist.zero._Unit.pieces on a _Unit built with this layout (what ZeRO's state_pieces,
+    """minidist.zero.Unit.pieces on a Unit built with this layout (what ZeRO's state_pieces,
     which minidist.checkpoint saves and loads, is made of)."""
-    from minidist.zero import _Unit
+    from minidist.zero import Unit
     params = [torch.nn.Parameter(torch.zeros(numel)) for _, numel, _ in layout]
     group_of = {p: g for p, (_, _, g) in zip(params, layout)}
     names = {id(p): name for p, (name, _, _) in zip(params, layout)}
-    u = _Unit(params, group_of, rank, world)
+    u = Unit(params, group_of, rank, world)
     return [(names[id(p)], start, a, b) for p, start, a, b in u.pieces(u.lo, u.hi)]
 
 

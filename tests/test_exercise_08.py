@@ -256,16 +256,16 @@ def test_08_the_stub_is_graded_without_starting_processes(monkeypatch):
 # -- the grader's oracles
 
 def test_08_the_layout_built_by_hand_is_minidists():
-    # pieces_of's oracle lays the unit out itself: it must be minidist.zero._Unit's
+    # pieces_of's oracle lays the unit out itself: it must be minidist.zero.Unit's
     # layout (sorted by group, padded, cut in N), built from parameters holding its codes
-    from minidist.zero import _Unit
+    from minidist.zero import Unit
     for layout, worlds in C8.ONE_GROUP + C8.PADDED_GROUPED:
         for n in worlds:
             flat, chunk = C8._by_hand(layout, n)
             for r in range(n):
                 params = [torch.nn.Parameter(C8.CODE * (k + 1) + torch.arange(numel, dtype=torch.float64))
                           for k, (_, numel, _) in enumerate(layout)]
-                u = _Unit(params, {p: g for p, (_, _, g) in zip(params, layout)}, r, n)
+                u = Unit(params, {p: g for p, (_, _, g) in zip(params, layout)}, r, n)
                 assert torch.equal(u.flat, flat) and u.chunk == chunk and u.lo == r * chunk, (layout, n, r)
     # and the layouts have what the checks say: padding, a rank with only padding, groups
     # out of order, a parameter longer than a shard

@@ -265,8 +265,11 @@ def raise_failure(failure, world_size):
         raise LaunchError(f"rank {rank} of {world_size} was still running after the "
                           f"deadline of {info:.0f}s and was stopped")
     if status == "died":
+        hint = ("killed, out of memory, or os._exit?" if info != 1 else "its stderr above says why; "
+                "from a script, call launch under `if __name__ == \"__main__\":`, since each rank "
+                "imports the script again")
         raise LaunchError(f"rank {rank} of {world_size} exited with code {info} without "
-                          "reporting an error (killed, out of memory, or os._exit?)")
+                          f"reporting an error ({hint})")
     _reraise(rank, world_size, info)
 
 

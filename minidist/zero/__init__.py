@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from minidist.zero.layout import Unit, _Unit
+from minidist.zero.layout import Unit
 from minidist.zero.muon import MuonUnderZero, MuonUnderZero3, ShardedMuon, muon_for_zero, muon_under_zero
 from minidist.zero.stage12 import ShardedOptimizer
 from minidist.zero.stage3 import FullyShardedOptimizer
 
 __all__ = ["ShardedOptimizer", "FullyShardedOptimizer", "zero_optimizer", "MuonUnderZero", "MuonUnderZero3",
            "ShardedMuon", "muon_for_zero", "muon_under_zero", "Unit"]
-# _Unit: Unit's old name, which exercises 06 and 08, their tests and chapter 06 still use
 
 
 def zero_optimizer(model: nn.Module, param_groups, optimizer_class, stage: int, **kwargs):

@@ -9,8 +9,9 @@ every stage:
   unit, whose .grad is the matching slice of the unit's averaged gradient shard);
 - the gradient reduction: a post-accumulate-grad hook counts each unit's completed
   gradients; a unit is reduce-scattered (averaged over ranks, only this rank's shard
-  kept) during backward as soon as it is complete (stages 2, 3) or when backward ends
-  (stage 1); finish_gradient_synchronization() waits for the reduce-scatters in flight;
+  kept) during backward once it and every unit before it in `reduce_order` are complete
+  (stages 2, 3: one order on every rank), or when backward ends (stage 1);
+  finish_gradient_synchronization() waits for the reduce-scatters in flight;
 - the rest of the gradient-sync interface the training loop uses (minidist/ddp.py): no_sync()
   and clip_grad_norm_(), and zero_grad();
 - state_pieces(): what this rank holds, described for minidist.checkpoint.
@@ -65,6 +66,9 @@ class ZeroBase:
         self._pending = []  # (unit, output or None if reduced in place, work or None)
         self._no_sync = False  # inside no_sync() at stage 1: backward reduces nothing
         self._queued = False  # the end-of-backward callback is queued for this backward
+        # the one order in which every rank starts the units' reduce-scatters: index order
+        # (stages 1-2: the units run in the order backward completes them); stage 3 sets its own
+        self.reduce_order, self._started = list(units), 0
 
     @property
     def param_groups(self):
@@ -88,10 +92,17 @@ class ZeroBase:
         if not self._queued:  # once per backward: finish the reductions when it ends
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._queued = True
-        u = self._unit_of[p]
-        u.ready += 1
-        if self.stage >= 2 and u.ready == len(u.params):
-            self._reduce(u)
+        self._unit_of[p].ready += 1
+        if self.stage < 2:
+            return
+        # Start every complete unit whose predecessors in reduce_order have all started: a
+        # unit that completes early waits for the ones before it, so every rank issues the
+        # same collectives in the same order whatever order its backward completes them in
+        # (chapter 03: ranks pair collectives by the order they are issued, not by name).
+        order = self.reduce_order
+        while self._started < len(order) and order[self._started].ready == len(order[self._started].params):
+            self._reduce(order[self._started])
+            self._started += 1
 
     def _reduce(self, u: Unit) -> None:
         """Start averaging u's gradients into a new shard-sized tensor and free the
@@ -103,9 +114,11 @@ class ZeroBase:
         self._pending.append((u, out, self._reduce_scatter(out, flat)))
 
     def _end_of_backward(self) -> None:
-        for u in self.units:  # in the same order on every rank
-            if u.ready < len(u.params) or self.stage == 1:
-                self._reduce(u)  # stage 1; or parameters that got no gradient: still join
+        # stage 1: every unit, now; stages 2-3: those not started yet (a unit waiting for
+        # an earlier one, or one with parameters that got no gradient: it still joins)
+        for u in self.units if self.stage == 1 else self.reduce_order[self._started:]:
+            self._reduce(u)
+        self._started = len(self.reduce_order)
         self.finish_gradient_synchronization()
 
     def finish_gradient_synchronization(self) -> None:
@@ -120,7 +133,7 @@ class ZeroBase:
         self._pending.clear()
         for u in self.units:
             u.ready = 0
-        self._queued = False
+        self._queued, self._started = False, 0
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient shards in place (the inner optimizer's .grad are views of them)

@@ -101,4 +101,3 @@ class Unit:
         return flat
 
 
-_Unit = Unit  # the name exercises 06 and 08 and notebook 06 still import

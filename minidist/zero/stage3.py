@@ -90,6 +90,11 @@ class FullyShardedOptimizer(ZeroBase):
             u.flat.untyped_storage().resize_(0)
         units = [u for u in self.all_units if u not in self.other_units]
         super().__init__(units, groups, optimizer_class, defaults, 3, group, collectives)
+        # reduce-scatters in the order backward completes the units: the last block first,
+        # the root (the embeddings, whose gradient is complete only at the very end) last
+        mine = set(units)
+        self.reduce_order = ([u for block in reversed(self.blocks) for u in reversed(block) if u in mine]
+                             + [u for u in own_root if u in mine])
         self.other_unit_of = {p: u for u in self.other_units for p in u.params}
         for p in self.other_unit_of:
             p.register_post_accumulate_grad_hook(self._on_other_grad)
