@@ -11,7 +11,8 @@ a syntax tree (nothing is imported or run) and refuses, naming the line and the 
 - the torch APIs the exercise forbids at run time (its RULES: forbidden classes and
   functions, and the torch.distributed collectives outside its allowed ones), under any
   name: imported, an attribute captured at module level or as a default argument, an
-  alias of a module, getattr with a constant string, a star import;
+  alias of a module, getattr with a constant string, a star import; a module's attribute
+  named by a string built at run time (getattr, vars, __dict__), which cannot be read;
 - torch's private or internal APIs (any `_name` under torch, torch.ops);
 - reaching code by name at run time, which would make the above unreadable: importlib,
   __import__, sys.modules, exec/eval/compile, the garbage collector, frames and code
@@ -29,6 +30,9 @@ import sys
 
 _BY_NAME = "no modules or objects reached by name at run time"
 _FRAMES = "no frames, code objects or other modules' globals reached at run time"
+_BY_NAME_HOW = (_BY_NAME + ": a module's attribute named by a string built at run time (or its "
+                "__dict__, or vars()) cannot be read before it runs; write the name out")
+_MODULE_ROOTS = ("torch", "minidist", "exercises", "sys")
 # What no exercise may name, each with its rule (prefixes of dotted names).
 COMMON = {
     "exercises": "the grader, its checks, its reference and its exempt context are not yours to import",
@@ -47,6 +51,8 @@ COMMON = {
     "sys.setprofile": _FRAMES,
     "threading.settrace": _FRAMES,
     "ctypes": "no memory reached below Python",
+    "operator.attrgetter": _BY_NAME,
+    "operator.methodcaller": _BY_NAME,
     "minidist.run": "the workshop (the launcher's internals, the grader's process pool, the run's flags) is not yours to drive",
 }
 # attributes that reach another function's code, globals or frames
@@ -199,7 +205,9 @@ def problems(source: str, filename: str, table: dict, allowed=()) -> list[str]:
                 alias.setdefault(node.targets[0].id, d)
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
-            if node.attr in _INTROSPECTION:
+            if node.attr == "__dict__" and (d := dotted_of(node.value)) and d.split(".")[0] in _MODULE_ROOTS:
+                flag(node, f"`{ast.unparse(node)}`", _BY_NAME_HOW)
+            elif node.attr in _INTROSPECTION:
                 flag(node, f"`{ast.unparse(node)}`", _FRAMES)
             elif (d := dotted_of(node)) is not None and (why := banned(d)):
                 flag(node, f"`{ast.unparse(node)}`", why)
@@ -210,9 +218,12 @@ def problems(source: str, filename: str, table: dict, allowed=()) -> list[str]:
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
                 "getattr", "setattr", "hasattr", "delattr") and len(node.args) > 1:
             name = node.args[1]
-            if not (isinstance(name, ast.Constant) and isinstance(name.value, str)):
-                continue
             base = dotted_of(node.args[0])
+            if not (isinstance(name, ast.Constant) and isinstance(name.value, str)):
+                # a name computed at run time cannot be read here: on a module, refused
+                if base is not None and base.split(".")[0] in _MODULE_ROOTS:
+                    flag(node, f"`{ast.unparse(node)}`", _BY_NAME_HOW)
+                continue
             if name.value in _INTROSPECTION:
                 flag(node, f"`{ast.unparse(node)}`", _FRAMES)
             elif base is not None and base.split(".")[0] in ("torch", "minidist", "exercises", "sys"):
@@ -221,6 +232,9 @@ def problems(source: str, filename: str, table: dict, allowed=()) -> list[str]:
             elif name.value in leaves:
                 d, rule = leaves[name.value]
                 flag(node, f"`{ast.unparse(node)}`", f"{d}: {rule}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "vars"
+              and node.args and (d := dotted_of(node.args[0])) and d.split(".")[0] in _MODULE_ROOTS):
+            flag(node, f"`{ast.unparse(node)}`", _BY_NAME_HOW)
         elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
             key = node.slice.value
             if isinstance(key, str) and key in leaves and "." not in key and key not in ("exercises",):

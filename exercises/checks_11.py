@@ -46,6 +46,7 @@ import copy
 import datetime
 import functools
 import sys
+import types
 from types import SimpleNamespace
 
 import torch
@@ -85,17 +86,34 @@ _PIPELINING = "torch.distributed.pipelining"
 
 
 class _IfImported(dict):
-    """Rules.apis with torch.distributed.pipelining's public names added once it is
-    imported. Importing it costs seconds per process, so it is not imported only to be
-    watched: while it is not loaded, _ForbiddenImports trips on importing it."""
+    """Rules.apis with all of torch.distributed.pipelining that is loaded added: every
+    function and class its modules define, public or private, and every method those
+    classes define (an object made without its constructor still trips when used).
+    Importing it costs seconds per process, so it is not imported only to be watched:
+    while it is not loaded, _ForbiddenImports trips on importing it."""
 
     def items(self):
         found = list(super().items())
-        mod = sys.modules.get(_PIPELINING)
-        if mod is not None:
-            found += [(f"{_PIPELINING}.{n}", _NO_TORCH_PP) for n in getattr(mod, "__all__", ())
-                      if callable(getattr(mod, n, None))]
+        for name, mod in list(sys.modules.items()):
+            if mod is not None and (name == _PIPELINING or name.startswith(_PIPELINING + ".")):
+                found += [(api, _NO_TORCH_PP) for api in _defined_in(mod)]
         return found
+
+
+def _defined_in(mod) -> list[str]:
+    """Dotted names of the functions and classes `mod` defines, and of their classes' own
+    methods (static and class methods included)."""
+    names = []
+    for name, obj in vars(mod).items():
+        if getattr(obj, "__module__", None) != mod.__name__:
+            continue
+        if isinstance(obj, type):
+            names.append(f"{mod.__name__}.{name}")
+            names += [f"{mod.__name__}.{name}.{m}" for m, f in vars(obj).items()
+                      if m != "__init__" and isinstance(f, (types.FunctionType, staticmethod, classmethod))]
+        elif isinstance(obj, types.FunctionType):
+            names.append(f"{mod.__name__}.{name}")
+    return names
 
 
 class _ForbiddenImports:

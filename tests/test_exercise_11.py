@@ -9,6 +9,7 @@ ranks by name.
 """
 
 import importlib
+import sys
 
 import pytest
 import torch
@@ -93,7 +94,27 @@ def shape_handshake_first(run, m):
 # -- 2. rule-breakers
 
 def torch_pipelining(run, m):
-    from torch.distributed.pipelining import Schedule1F1B  # noqa: F401 - torch's schedule
+    from torch.distributed.pipelining import Schedule1F1B  # torch's schedule
+    Schedule1F1B(None, m)  # trips whether the import did (not loaded yet) or not (loaded)
+    plain_one_f_one_b(run, m)
+
+
+def _loaded_or_imported(name):
+    return sys.modules.get(name) or importlib.import_module(name)
+
+
+def private_pipelining(run, m):
+    """A corner of torch's pipelining outside its __all__, its micro-batch splitter."""
+    mb = _loaded_or_imported("torch.distributed.pipelining.microbatch")
+    mb.split_args_kwargs_into_chunks((torch.zeros(m, 1),), None, m)
+    plain_one_f_one_b(run, m)
+
+
+def schedule_without_its_constructor(run, m):
+    """torch's 1F1B made without calling its constructor, then driven."""
+    pp = _loaded_or_imported("torch.distributed.pipelining")
+    schedule = object.__new__(pp.Schedule1F1B)
+    schedule._step_microbatches()
     plain_one_f_one_b(run, m)
 
 
@@ -216,6 +237,24 @@ def test_torch_pipelining_scores_zero_where_used(two_stages):
         assert "scores 0" in message_of(messages, KEYS, key)
 
 
+def _load_torch_pipelining():
+    import torch.distributed.pipelining  # noqa: F401 - as an earlier test or import may leave it
+    return True
+
+
+def test_torch_pipelining_loaded_before_the_part_trips_in_every_corner(two_stages, pool):
+    """Once loaded, importing it again trips nothing: then every function, class and
+    method it defines is watched, private corners and objects made without a constructor
+    included."""
+    assert pool(2).run(_load_torch_pipelining) == [True, True]
+    r = _grade({"one_f_one_b": private_pipelining, "draft_one_f_one_b": schedule_without_its_constructor})
+    failed, messages = failed_checks(r, KEYS)
+    assert failed == set(KEYS), messages
+    assert "microbatch.split_args_kwargs_into_chunks was called" in message_of(messages, KEYS, "grads")
+    assert "_step_microbatches was called" in message_of(messages, KEYS, "draft")
+    assert "torch.distributed.pipelining" in message_of(messages, KEYS, "draft")
+
+
 def test_minidist_pipeline_at_run_time_scores_zero_where_used(two_stages):
     r = _grade({**PLAIN, "draft_one_f_one_b": minidist_schedule})
     failed, messages = failed_checks(r, KEYS)
@@ -245,6 +284,9 @@ CHEATS = {
     "from torch.distributed.pipelining import Schedule1F1B\n": "torch.distributed.pipelining",
     "_move = dist.all_reduce\n": "torch.distributed.all_reduce",
     "from exercises.checks_11 import reference_one_f_one_b\n": "exercises",
+    "_pp = getattr(dist, 'pipe' + 'lining')\n": "reached by name",
+    "_pp = vars(dist)['pipe' + 'lining']\n": "reached by name",
+    "from operator import attrgetter\n": "reached by name",
 }
 
 
