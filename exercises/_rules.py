@@ -9,8 +9,9 @@ part inside `watch(rules)`, which for the length of the part:
 - makes the constructors of forbidden classes trip (torch's DistributedDataParallel does
   its all-reduces in C++, past any Python patch, but it is built in Python; so is
   ZeroRedundancyOptimizer, torch.optim.Muon, GradScaler), subclasses included;
-- makes forbidden functions trip where they live and, for plain functions, in their code
-  object itself, so an alias imported before grading trips as well.
+- makes forbidden functions trip where they live and in their code object itself (a
+  decorator's wrapper too, whose code reads a closure), so an alias imported before
+  grading trips as well.
 
 Below these Python-level tripwires, exercises/_traffic.py records every collective and
 message where every road to gloo meets (torch's dispatcher), enforces `allowed` there too
@@ -187,8 +188,8 @@ def _trip_function(w: Watch, dotted: str, f, rule: str, undo: list) -> None:
         w.trip(dotted, rule)
     if owner is not None:
         _patch_attr(undo, owner, name, tripwire)
-    if isinstance(f, types.FunctionType) and f.__closure__ is None:
-        same = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__)
+    if isinstance(f, types.FunctionType):
+        same = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
         same.__kwdefaults__ = f.__kwdefaults__
         key = f"__exercise_rule_{id(f)}"
 
@@ -196,10 +197,15 @@ def _trip_function(w: Watch, dotted: str, f, rule: str, undo: list) -> None:
             if _exempt():
                 return same(*args, **kwargs)
             w.trip(dotted, rule)
+        # the tripwire's code keeps f's number of free variables (a wrapped function's
+        # closure: Python requires it), naming them only in a branch that never runs
+        free = [f"_v{i}" for i in range(len(f.__code__.co_freevars))]
+        body = f"        if {key} is None: ({', '.join(free)},)\n" if free else ""
         ns: dict = {}
-        exec(f"def _t(*args, **kwargs):\n    return {key}(args, kwargs)\n", ns)
+        exec(f"def _outer({', '.join(free)}):\n    def _t(*args, **kwargs):\n{body}"
+             f"        return {key}(args, kwargs)\n    return _t\n", ns)
         f.__globals__[key], code = trip, f.__code__
-        f.__code__ = ns["_t"].__code__
+        f.__code__ = ns["_outer"](*range(len(free))).__code__
 
         def restore():
             f.__code__ = code

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from exercises import _rules
 from exercises import grade as G
@@ -105,6 +106,24 @@ def test_the_exempt_context_is_the_graders_alone(tmp_path):
         sys.modules.pop("elsewhere", None)
     from exercises import checks_01  # the grader's own files still enter it
     assert checks_01._gpt(checks_01._CONFIGS_01[0]) is not None
+
+
+def test_a_handle_captured_before_the_watch_trips_even_on_a_wrapped_function():
+    """A function wrapped by a decorator keeps its code in a closure: its handle, taken
+    before the watch began, trips all the same, and works again after the watch."""
+    import torch.distributed as dist
+    import torch.utils.checkpoint as tc
+    captured = {"torch.distributed.all_reduce": dist.all_reduce,  # functools.wraps: a closure
+                "torch.utils.checkpoint.checkpoint": tc.checkpoint}
+    assert all(f.__code__.co_freevars for f in captured.values())  # the case that matters
+    for dotted, f in captured.items():
+        with _rules.watching(_rules.Rules(apis={dotted: "the test forbids it"})) as w:
+            with pytest.raises(_rules.RuleBroken, match="the test forbids it"):
+                f(None)
+        assert w.broken == [f"{dotted} was called, which this exercise forbids: the test forbids it"]
+    x = torch.ones(2, requires_grad=True)
+    captured["torch.utils.checkpoint.checkpoint"](torch.sin, x, use_reentrant=False).sum().backward()
+    assert torch.allclose(x.grad, torch.cos(x.detach()))  # the original again
 
 
 # ----------------------------------------------------------------------- survival
