@@ -44,7 +44,10 @@ def test_every_registered_check_belongs_to_an_exercise():
 
 
 @pytest.mark.parametrize("nn", EXERCISES)
-def test_stubs_score_zero_and_show_their_hint(nn):
+def test_stubs_score_zero_and_show_their_hint(nn, monkeypatch):
+    if nn == "11":  # its draft deadlocks: the watchdog test_exercise_11.py uses (2 s a case),
+        from exercises import checks_11  # so that the grading cached there serves here too
+        monkeypatch.setattr(checks_11, "CASE_TIMEOUT_S", 2.0)
     r = G.grade(nn)
     assert r.total == len(G.checks_of(nn)) and r.passed == 0 and r.points == 0
     assert r.max_points == sum(c.points for c in G.checks_of(nn)) > 0
