@@ -25,7 +25,8 @@ Stage 3 (MuonUnderZero3) keeps no parameter whole at rest, Muon's matrices inclu
 ZeRO-3 optimizer shards and gathers them like every parameter (in units of their own,
 built with others=), but leaves their gradients and their update to Muon. The owners and
 the rounds are the same as above; each bucket of rounds is reduce-scattered to its owners
-during backward, as soon as its last gradient is in, so full-size gradients do not
+during backward, once its last gradient is in and the buckets before it in one fixed
+order (start_order, the same on every rank) have started, so full-size gradients do not
 outlive their bucket (every micro-step: stage 3 keeps no full gradient to accumulate
 into, so the owners add the averaged ones up). An update must then reach only the ranks
 whose shards hold a piece of its matrix: ShardedMuon's step, one all-to-all per step,
@@ -211,6 +212,11 @@ class MuonUnderZero3(MuonUnderZero):
         self.bucket_of = {self.items[i][0]: b for b in self.buckets for r in b.rounds for i in r}
         self.ready = {b: 0 for b in self.buckets}  # gradients in, this backward
         self.pending, self.sums, self._queued = [], {}, False
+        # The one order every rank starts the buckets in (ranks pair collectives by the
+        # order they are issued): the order backward usually completes them, since a
+        # bucket is complete when its earliest-registered matrix is.
+        self.start_order = sorted(self.buckets, key=lambda b: -min(i for r in b.rounds for i in r))
+        self._started = 0
         for p, _ in self.items:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
@@ -220,18 +226,19 @@ class MuonUnderZero3(MuonUnderZero):
         if not self._queued:  # once per backward: reduce what is left when it ends
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._queued = True
-        b = self.bucket_of[p]
-        self.ready[b] += 1
-        if self.ready[b] == sum(len(r) for r in b.rounds):
-            self.ready[b] = -1  # started
+        self.ready[self.bucket_of[p]] += 1
+        while self._started < len(self.start_order):  # each complete bucket, in start_order
+            b = self.start_order[self._started]
+            if self.ready[b] < sum(len(r) for r in b.rounds):
+                break
             self.pending.append((b, *_send_to_owners(self.muon, self.items, b)))
+            self._started += 1
 
     def _end_of_backward(self) -> None:
-        for b in self.buckets:  # in the same order on every rank
-            if self.ready[b] != -1:  # some matrix had no gradient: still join
-                self.pending.append((b, *_send_to_owners(self.muon, self.items, b)))
-            self.ready[b] = 0
-        self._queued = False
+        for b in self.start_order[self._started:]:  # not started (some matrix had no gradient): still join
+            self.pending.append((b, *_send_to_owners(self.muon, self.items, b)))
+        self.ready = {b: 0 for b in self.buckets}
+        self._queued, self._started = False, 0
         for b, recv, work in self.pending:  # the owners' sums, over the micro-steps
             work.wait()
             for p, grad in _owned(b, recv, self.rank, self.items):
