@@ -61,7 +61,8 @@ from minidist.memory import step_memory
 from minidist.model import PRESETS, GPTConfig, config_num_params, flops_per_token
 from minidist.pipeline import split_layers
 from minidist.pipeline_measure import bubble_formula, in_flight_formula
-from minidist.plan import PlanError, check_sizes, recompute_flops_fraction
+from minidist.plan import (AUTO_FLAGS, PlanError, check_sizes, default_budget_gb, model_of,
+                           recompute_flops_fraction)
 from minidist.tensor_parallel_cost import comm_bytes as tp_comm_bytes
 
 
@@ -221,6 +222,49 @@ def plan_mesh(cfg: GPTConfig, batch: int, seq_len: int, world: int, budget_gb: f
     if other is not None:
         line += f"; next best mesh: {other.mesh()}, {1e3 * other.step_s:.1f} ms"
     return best, line
+
+
+def plan_on_mesh(cfg, batch, seq_len, dp, tp, pp, budget_gb, precision="bf16", sp=False, zeros=None,
+                 micros=None, ckpts=(False, True), hw=None, bucket_cap_mb=25.0) -> tuple[Plan, str]:
+    """The cheapest plan on a mesh already chosen (train_gpt's --tp and --pp), among the
+    ZeRO stages `zeros`, micro-batch counts `micros` and recomputation choices `ckpts`
+    given (None: all that the mesh allows): what train_gpt's auto flags mean on a mesh."""
+    check_sizes(batch, seq_len, dp, budget_gb)
+    valid = micro_options(batch, dp)
+    ms = [m for m in (micros or valid) if m in valid]
+    if not ms:
+        raise PlanError(f"{batch} sequences over {dp} data-parallel ranks do not split into {micros} "
+                        f"micro-batches: choose from {valid}")
+    plans = [evaluate(cfg, batch, seq_len, dp, tp, pp, z, m, ck, sp, precision, hw, bucket_cap_mb)
+             for z in (zeros or zero_stages(tp, pp)) for m in ms for ck in ckpts]
+    fits = [c for c in plans if c.peak <= budget_gb * GB]
+    if not fits:
+        least = min(plans, key=lambda c: c.peak)
+        raise PlanError(f"nothing fits {budget_gb:g} GB per rank on {least.mesh()}: the least, "
+                        f"{least.describe()}, needs {least.peak / GB:.1f} GB; use more ranks, a shorter "
+                        "--seq-len, a smaller model or a larger --memory-budget-gb")
+    best = min(fits, key=Plan.price)
+    return best, explain(best, budget_gb)
+
+
+def resolve_auto(args, world: int, vocab_size: int) -> str | None:
+    """train_gpt's auto flags with --tp or --pp (chapter 09's planner, minidist.plan, plans
+    the rest): the mesh is the command line's, dp = world / (tp pp); the ZeRO stage, the
+    micro-batches (--grad-accum-steps: the pipeline's m) and recomputation are chosen."""
+    if not any(getattr(args, a) == "auto" for a in AUTO_FLAGS):
+        return None
+    zero_ok = args.dp == "bucketed"  # as minidist.plan: ZeRO stands on the bucketed DDP's layout
+    zeros = tuple(z for z in zero_stages(args.tp, args.pp) if zero_ok or z == 0)
+    choice, line = plan_on_mesh(
+        model_of(args, vocab_size), args.batch_size, args.seq_len, world // (args.tp * args.pp), args.tp, args.pp,
+        args.memory_budget_gb or default_budget_gb(args.device), args.precision, args.sequence_parallel,
+        zeros if args.zero_stage == "auto" else (args.zero_stage,),
+        None if args.grad_accum_steps == "auto" else [args.grad_accum_steps],
+        (False, True) if args.activation_checkpointing == "auto" else (args.activation_checkpointing == "blocks",),
+        bucket_cap_mb=args.bucket_cap_mb)
+    args.zero_stage, args.grad_accum_steps = choice.zero, choice.micro
+    args.activation_checkpointing = "blocks" if choice.checkpointed else "none"
+    return line
 
 
 def explain(c: Plan, budget_gb: float) -> str:

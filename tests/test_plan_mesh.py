@@ -16,10 +16,11 @@ from minidist.plan import PlanError
 from minidist.tensor_parallel_cost import param_bytes, tp_block_activation_bytes
 
 
-def _brute_force(cfg, batch, T, world, budget_gb, precision="bf16"):
+def _brute_force(cfg, batch, T, world, budget_gb, precision="bf16", mesh=None):
     """Every (tp, pp, ZeRO, recomputation, sp, m) that train_gpt's rules allow, written out
     here, each stage of its pipeline weighed: the cheapest that fits (its price tuple).
-    A configuration's memory is weighed only if its price could win (the answer is the same)."""
+    A configuration's memory is weighed only if its price could win (the answer is the same).
+    `mesh`: (tp, pp, sp) fixed, as train_gpt's command line fixes them."""
     L, best = cfg.n_layer, None
     for tp, pp in itertools.product(range(1, world + 1), repeat=2):
         if world % (tp * pp) or cfg.n_head % tp or pp > L:
@@ -27,6 +28,8 @@ def _brute_force(cfg, batch, T, world, budget_gb, precision="bf16"):
         dp = world // (tp * pp)
         for zero, ck, sp, m in itertools.product(range(4), (False, True), (False, True), range(1, batch + 1)):
             if (batch // dp) % m or (pp > 1 and zero > 1) or (tp > 1 and zero == 3) or (sp and (tp == 1 or T % tp)):
+                continue
+            if mesh is not None and (tp, pp, sp) != mesh:
                 continue
             step_s, sent = PM.price(cfg, batch, T, dp, tp, pp, zero, m, ck, sp, precision)
             key = (step_s, (pp - 1) / (m + pp - 1), sum(sent), ck, sp, m, zero, pp, tp)
@@ -61,6 +64,24 @@ def test_plan_equals_brute_force(name, T, batch, world, budget):
     got, line = PM.plan_mesh(cfg, batch, T, world, budget)
     assert got.price() == want
     assert got.peak <= budget * GB and f"of {budget:g} GB per rank" in line and "GB sent per rank per step" in line
+
+
+@pytest.mark.parametrize("name, T, per, world, budget", [("gpt2", 1024, 4, 8, 3), ("gpt3-1.3b", 1024, 2, 16, 8),
+                                                        ("small", 256, 8, 8, 0.05), ("gpt2-medium", 1024, 2, 12, 2)])
+def test_plan_on_a_given_mesh_equals_brute_force_on_it(name, T, per, world, budget):
+    """train_gpt's auto flags with --tp/--pp: the mesh (and sequence parallelism) is the
+    command line's; the ZeRO stage, micro-batches and recomputation are planned on it."""
+    cfg, batch = GPTConfig(**PRESETS[name]), per * world
+    for dp, tp, pp in PM.meshes(cfg, world):
+        for sp in (False, True) if tp > 1 and T % tp == 0 else (False,):
+            want = _brute_force(cfg, batch, T, world, budget, mesh=(tp, pp, sp))
+            if want is None:
+                with pytest.raises(PlanError, match=f"nothing fits {budget:g} GB per rank on dp {dp} x tp {tp} x pp {pp}"):
+                    PM.plan_on_mesh(cfg, batch, T, dp, tp, pp, budget, sp=sp)
+                continue
+            got, line = PM.plan_on_mesh(cfg, batch, T, dp, tp, pp, budget, sp=sp)
+            assert (got.dp, got.tp, got.pp, got.sequence_parallel) == (dp, tp, pp, sp)
+            assert got.price() == want and got.peak <= budget * GB and "GB sent per rank per step" in line
 
 
 # Cases of the grid where the plan uses each axis, stage and switch (or nothing fits), so

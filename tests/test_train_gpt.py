@@ -35,11 +35,14 @@ TP = {"tp-2": ["--tp", "2"], "tp-2-sp-zero-1": ["--tp", "2", "--sequence-paralle
 # the dp ranks (Muon's owners within each stage's dp group), gradient clipping's norm over both stages;
 # tp 2 x pp 2 with sequence parallelism, 1F1B over 2 micro-batches (the stages cut from each
 # rank's tensor-parallel shard; Muon orthogonalising whole matrices gathered over tp), every
-# stage's blocks recomputed in backward (chapter 09)
+# stage's blocks recomputed in backward (chapter 09); pp 2 with the ZeRO stage, the
+# micro-batches and recomputation left to the planner
 PP = {"pp-2-1f1b": ["--pp", "2", "--pp-schedule", "1f1b"],
       "pp-2-gpipe-dp-2": ["--pp", "2", "--pp-schedule", "gpipe", "--zero-stage", "1", "--grad-clip", "0.05"],
       "tp-2-pp-2-sp": ["--tp", "2", "--pp", "2", "--sequence-parallel", "--pp-schedule", "1f1b",
-                       "--activation-checkpointing", "blocks"]}
+                       "--activation-checkpointing", "blocks"],
+      # the planner's auto flags on the mesh given (minidist.plan_mesh.resolve_auto)
+      "pp-2-auto": ["--pp", "2", "--zero-stage", "auto", "--activation-checkpointing", "auto"]}
 
 
 @pytest.mark.parametrize("dp, world, accum", [("naive", 2, 1), ("flat", 2, 2), ("bucketed", 2, 1),
@@ -47,7 +50,7 @@ PP = {"pp-2-1f1b": ["--pp", "2", "--pp-schedule", "1f1b"],
                                               ("zero-3", 2, 2), ("tp-2", 2, 1), ("tp-2-sp-zero-1", 4, 2),
                                               ("tp-2-zero-2", 4, 1), ("tp-2-muon", 2, 1),
                                               ("pp-2-1f1b", 2, 4), ("pp-2-gpipe-dp-2", 4, 2),
-                                              ("tp-2-pp-2-sp", 4, 2)])
+                                              ("tp-2-pp-2-sp", 4, 2), ("pp-2-auto", 2, "auto")])
 def test_data_parallel_equals_one_process(tmp_path, dp, world, accum, pool):
     """`world` ranks x `accum` micro-steps, each micro-batch batch/(world*accum) sequences:
     averaged gradients must give the trajectory of one process on the whole batch
@@ -98,7 +101,7 @@ BAD_FLAGS = [
     (["--batch-size", "3"], "does not divide across 2 data-parallel ranks"),
     (["--tp", "3"], "--tp 3 does not divide the world of 2 ranks"),
     (["--tp", "2", "--n-head", "3", "--n-embd", "48"], "--n-head 3 is not divisible by 2"),
-    (["--tp", "2", "--zero-stage", "3"], "--zero-stage 3 or auto is not built yet"),
+    (["--tp", "2", "--zero-stage", "3"], "--zero-stage 3 is not built yet"),
     (["--sequence-parallel"], "add --tp 2 or more"),
     (["--tp", "2", "--sequence-parallel", "--seq-len", "31"], "--seq-len 31 is not divisible by 2"),
     (["--batch-size", "4", "--grad-accum-steps", "4"], "use a multiple of 8"),
@@ -108,7 +111,8 @@ BAD_FLAGS = [
     (["--pp", "2", "--zero-stage", "2"], "for every micro-batch"),
     (["--pp", "2", "--zero-stage", "3"], "re-gather the parameters"),
     (["--pp", "2", "--tp", "2"], "--pp 2 x --tp 2 does not divide the world of 2 ranks"),
-    (["--pp", "2", "--grad-accum-steps", "auto"], "the planner does not plan pipelines"),
+    (["--pp", "2", "--grad-accum-steps", "auto", "--memory-budget-gb", "1e-6"],
+     "the planner: nothing fits 1e-06 GB per rank on dp 1 x tp 1 x pp 2"),
     (["--pp", "2", "--sequence-parallel"], "add --tp 2 or more"),
     (["--pp", "2", "--pp-schedule", "zigzag"], "invalid choice: 'zigzag'"),
     (["--dp", "bogus"], "invalid choice: 'bogus'"),

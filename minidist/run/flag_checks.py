@@ -70,9 +70,6 @@ def check_pipeline(p, args, world_size: int) -> None:
                 f"{'reduce-scatter the gradients' if args.zero_stage == 2 else 're-gather the parameters'} "
                 "for every micro-batch of the pipeline (the field pairs pipelining with ZeRO-1 only): "
                 "use --zero-stage 1 or 0")
-    if "auto" in (args.zero_stage, args.grad_accum_steps, args.activation_checkpointing):
-        p.error(f"{what} with the planner's auto flags: the planner does not plan pipelines yet: "
-                "give --zero-stage 0 or 1, a number for --grad-accum-steps and none/blocks")
 
 
 def check_tensor_parallel(p, args, world_size: int) -> None:
@@ -91,10 +88,5 @@ def check_tensor_parallel(p, args, world_size: int) -> None:
     if args.sequence_parallel and args.seq_len % tp:
         p.error(f"{what} --sequence-parallel: --seq-len {args.seq_len} is not divisible by {tp}: "
                 f"use a multiple of {tp}")
-    not_built = [(args.zero_stage in (3, "auto"), "--zero-stage 3 or auto", "--zero-stage 0, 1 or 2"),
-                 ("auto" in (args.grad_accum_steps, args.activation_checkpointing),
-                  "the planner's auto flags", "numbers for --grad-accum-steps and none/blocks"),
-                 ]  # (checkpoints are built: saved by full name and range, they resume at any --tp)
-    for refused, name, use in not_built:
-        if refused:
-            p.error(f"{what} with {name} is not built yet: use {use}")
+    if args.zero_stage == 3:  # (checkpoints are built: saved by full name and range, they resume at any --tp)
+        p.error(f"{what} with --zero-stage 3 is not built yet: use --zero-stage 0, 1 or 2 (or auto)")

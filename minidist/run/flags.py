@@ -23,6 +23,7 @@ from minidist.run.flag_types import (below_one, int_or_auto, mib, nonneg_float, 
                                  positive_float, positive_int, seed_int, up_to_one)
 from minidist.dist import default_timeout_s, env_device, env_world_size, in_use_message, lock_holder
 from minidist.model import PRESETS, GPTConfig
+from minidist import plan_mesh
 from minidist.plan import PlanError, resolve_auto
 from minidist.scaler import LossScaler
 from minidist.resume import resume_from
@@ -164,17 +165,18 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
     if args.warmup_steps >= args.steps:  # (each number's own range: its type, build_parser)
         p.error(f"--warmup-steps must be in [0, --steps), got {args.warmup_steps} with --steps {args.steps}")
     args.plan = None  # chapter 09: the planner fills in what is "auto"
-    check_pipeline(p, args, world_size)  # chapter 11 (before the planner: it plans no pipeline)
+    check_pipeline(p, args, world_size)  # chapters 11 and 10: the mesh, before the planner keeps to it
+    check_tensor_parallel(p, args, world_size)
     if "auto" in (args.zero_stage, args.grad_accum_steps, args.activation_checkpointing):
         try:
             vocab = data.get_tokenizer(args.tokenizer).n_vocab
         except (ValueError, ImportError, OSError) as e:
             p.error(f"--tokenizer: {e}")
         try:
-            args.plan = resolve_auto(args, world_size, vocab)
+            on_a_mesh = args.tp > 1 or args.pp > 1  # chapter 11's planner, on the mesh given
+            args.plan = (plan_mesh.resolve_auto if on_a_mesh else resolve_auto)(args, world_size, vocab)
         except PlanError as e:
             p.error(f"the planner: {e}")
-    check_tensor_parallel(p, args, world_size)
     dp = world_size // (args.tp * args.pp)  # the tp ranks and the stages of a replica share its batch
     parts = dp * args.grad_accum_steps
     if args.batch_size % parts:
