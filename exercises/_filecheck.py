@@ -30,9 +30,28 @@ import sys
 
 _BY_NAME = "no modules or objects reached by name at run time"
 _FRAMES = "no frames, code objects or other modules' globals reached at run time"
-_BY_NAME_HOW = (_BY_NAME + ": a module's attribute named by a string built at run time (or its "
-                "__dict__, or vars()) cannot be read before it runs; write the name out")
+_BY_NAME_HOW = (_BY_NAME + ": an attribute named by a string built at run time (or reached "
+                "through vars(), globals() or locals()) cannot be read before it runs; write the name out")
 _MODULE_ROOTS = ("torch", "minidist", "exercises", "sys")
+_AROUND = "no code run around or below the grader's (operator kernels, modes, extensions, fetched code)"
+# The modules a solution may import: torch and minidist (less what the exercise forbids) and
+# the standard library's plain tools. Anything else (runpy, pkgutil, pickle, subprocess,
+# types, ...) could load or run code by name, which no reading of the file can follow.
+IMPORTABLE = {"__future__", "torch", "minidist", "math", "cmath", "functools", "itertools",
+              "collections", "contextlib", "dataclasses", "typing", "abc", "enum", "numbers",
+              "random", "time", "copy", "heapq", "bisect", "statistics", "operator", "os",
+              "shutil", "pathlib", "json", "struct", "zlib", "hashlib", "tempfile", "io",
+              "warnings", "string", "textwrap", "datetime", "fractions", "decimal", "array",
+              "queue", "threading", "errno", "uuid", "re"}
+_NOT_IMPORTABLE = ("a solution imports only torch, minidist and the standard library's plain "
+                   f"tools ({', '.join(sorted(IMPORTABLE - {'__future__'}))}): other modules can "
+                   "load or run code by name, which the grader cannot read")
+# attributes that lead, from any object, to the interpreter's modules or to code by name
+_REACH = {"sys", "builtins", "__builtins__", "__import__", "importlib", "runpy", "pkgutil",
+          "pickle", "marshal", "gc", "inspect", "ctypes", "__dict__", "__loader__", "__spec__",
+          "modules_by_name", "_getframe"}
+_MONKEYPATCH = ("no changing another module's functions, classes or data (torch's, minidist's, "
+                "the grader's): the grader relies on them as they are")
 # What no exercise may name, each with its rule (prefixes of dotted names).
 COMMON = {
     "exercises": "the grader, its checks, its reference and its exempt context are not yours to import",
@@ -53,6 +72,18 @@ COMMON = {
     "ctypes": "no memory reached below Python",
     "operator.attrgetter": _BY_NAME,
     "operator.methodcaller": _BY_NAME,
+    # torch's ways to run code around or below the grader's: dispatcher kernels, function
+    # and dispatch modes, compiled extensions, code fetched or unpacked at run time
+    "torch.library": _AROUND,
+    "torch.overrides": _AROUND,
+    "torch.utils.cpp_extension": _AROUND,
+    "torch.hub": _AROUND,
+    "torch.package": _AROUND,
+    "torch.utils.module_tracker": _AROUND,
+    **{f"os.{f}": "no processes started, replaced or signalled: your code runs where the grader puts it"
+       for f in ("system", "popen", "fork", "forkpty", "kill", "killpg", "posix_spawn", "posix_spawnp",
+                 "execv", "execve", "execl", "execle", "execlp", "execlpe", "execvp", "execvpe",
+                 "spawnv", "spawnve", "spawnl", "spawnle", "spawnlp", "spawnlpe", "spawnvp", "spawnvpe")},
     "minidist.run": "the workshop (the launcher's internals, the grader's process pool, the run's flags) is not yours to drive",
 }
 # attributes that reach another function's code, globals or frames
@@ -185,9 +216,13 @@ def problems(source: str, filename: str, table: dict, allowed=()) -> list[str]:
                 alias[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
                 if why := banned(a.name):
                     flag(node, f"`import {a.name}`", why)
+                elif a.name.split(".")[0] not in IMPORTABLE:
+                    flag(node, f"`import {a.name}`", _NOT_IMPORTABLE)
         elif isinstance(node, ast.ImportFrom):
             mod = (("exercises" + "." * (node.level - 1)) if node.level else "") + (
                 ("." if node.level and node.module else "") + (node.module or ""))
+            if not node.level and mod.split(".")[0] not in IMPORTABLE | {"exercises"}:
+                flag(node, f"`from {mod} import ...`", _NOT_IMPORTABLE)
             for a in node.names:
                 if a.name == "*":
                     inside = [d for d in table if d.startswith(mod + ".")]
@@ -203,10 +238,30 @@ def problems(source: str, filename: str, table: dict, allowed=()) -> list[str]:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             if (d := dotted_of(node.value)) is not None and d.split(".")[0] in ("torch", "minidist", "exercises"):
                 alias.setdefault(node.targets[0].id, d)
+    def root_of(node):  # the name an attribute or subscript chain starts from
+        while isinstance(node, (ast.Attribute, ast.Subscript)):
+            node = node.value
+        return node.id if isinstance(node, ast.Name) else None
+
+    def patched(target) -> bool:  # a target inside something imported (torch.x = ..., dist.f = ...)
+        if not isinstance(target, (ast.Attribute, ast.Subscript)) or root_of(target) not in alias:
+            return False
+        d = dotted_of(target.value if isinstance(target, ast.Subscript) else target) or ""
+        return not d.startswith(("torch.backends", "os.environ"))
+
     for node in ast.walk(tree):
+        targets = (node.targets if isinstance(node, (ast.Assign, ast.Delete)) else
+                   [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        for t in targets:
+            for leaf in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t]):
+                if patched(leaf):
+                    flag(node, f"`{ast.unparse(leaf)} = ...`", _MONKEYPATCH)
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr")
+                and node.args and root_of(node.args[0]) in alias):
+            flag(node, f"`{ast.unparse(node)}`", _MONKEYPATCH)
         if isinstance(node, ast.Attribute):
-            if node.attr == "__dict__" and (d := dotted_of(node.value)) and d.split(".")[0] in _MODULE_ROOTS:
-                flag(node, f"`{ast.unparse(node)}`", _BY_NAME_HOW)
+            if node.attr in _REACH:
+                flag(node, f"`{ast.unparse(node)}`", _BY_NAME)
             elif node.attr in _INTROSPECTION:
                 flag(node, f"`{ast.unparse(node)}`", _FRAMES)
             elif (d := dotted_of(node)) is not None and (why := banned(d)):
@@ -220,20 +275,19 @@ def problems(source: str, filename: str, table: dict, allowed=()) -> list[str]:
             name = node.args[1]
             base = dotted_of(node.args[0])
             if not (isinstance(name, ast.Constant) and isinstance(name.value, str)):
-                # a name computed at run time cannot be read here: on a module, refused
-                if base is not None and base.split(".")[0] in _MODULE_ROOTS:
-                    flag(node, f"`{ast.unparse(node)}`", _BY_NAME_HOW)
+                # a name computed at run time cannot be read here: refused, on anything
+                flag(node, f"`{ast.unparse(node)}`", _BY_NAME_HOW)
                 continue
-            if name.value in _INTROSPECTION:
-                flag(node, f"`{ast.unparse(node)}`", _FRAMES)
+            if name.value in _INTROSPECTION or name.value in _REACH:
+                flag(node, f"`{ast.unparse(node)}`", _FRAMES if name.value in _INTROSPECTION else _BY_NAME)
             elif base is not None and base.split(".")[0] in ("torch", "minidist", "exercises", "sys"):
                 if why := banned(f"{base}.{name.value}"):
                     flag(node, f"`{ast.unparse(node)}`", why)
             elif name.value in leaves:
                 d, rule = leaves[name.value]
                 flag(node, f"`{ast.unparse(node)}`", f"{d}: {rule}")
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "vars"
-              and node.args and (d := dotted_of(node.args[0])) and d.split(".")[0] in _MODULE_ROOTS):
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("vars", "globals", "locals", "breakpoint")):
             flag(node, f"`{ast.unparse(node)}`", _BY_NAME_HOW)
         elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
             key = node.slice.value

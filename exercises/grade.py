@@ -204,6 +204,7 @@ def file_problems(nn: str) -> list[str]:
     """What the learner's file of exercise `nn` may not name (exercises/_filecheck.py),
     read from its syntax tree before anything in it runs."""
     from exercises import _filecheck
+    checks_of(nn)  # its rules (RULES, IDEA_MODULES, IDEA_ALLOWED) live in exercises/checks_NN.py
     path = learner_file(nn)
     try:
         targets = tuple(reference_table(path).values())

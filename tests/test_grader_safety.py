@@ -63,11 +63,29 @@ FILE_CHEATS = {
            "_g.CheckResult(c.name, True, c.points, c.points)\n", "import exercises.grade", "exercises"),
     "04": ("\nfrom exercises import _rules\n\ndef accumulate(*a, **k):\n    with _rules.exempt():\n"
            "        pass\n", "from exercises import _rules", "exempt context"),
-    "07": ("\nimport sys\n_g = sys.modules['exercises.grade']\n", "sys.modules", "by name"),
+    "07": ("\nimport sys\n_g = sys.modules['exercises.grade']\n", "import sys", "plain tools"),
     "08": ("\nimport torch\n_save = torch.distributed.checkpoint.save\n", "torch.distributed.checkpoint.save",
            "torch.distributed.checkpoint.save"),
     "10": ("\nimport importlib\n_tp = importlib.import_module('minidist.tensor_parallel')\n",
            "import importlib", "importlib"),
+    # code loaded by path or by name through modules outside the plain tools
+    "10b": ("\nimport runpy\n_tp = runpy.run_path('minidist/tensor_parallel.py')\n", "import runpy",
+            "standard library's plain tools"),
+    "03b": ("\nimport pkgutil\nBucketedDDP = pkgutil.resolve_name('minidist.ddp:DDP')\n", "import pkgutil",
+            "standard library's plain tools"),
+    # the interpreter's modules reached through another module's attribute
+    "11b": ("\nimport os\n_h = os.sys.modules.get('exercises._harness')\n", "os.sys", "by name"),
+    "08b": ("\nimport torch\n_m = getattr(torch, 'sys')\n", "getattr(torch, 'sys')", "by name"),
+    # another module's code or data replaced
+    "05b": ("\nimport torch\ntorch.allclose = lambda *a, **k: True\n", "torch.allclose =", "another module"),
+    "06b": ("\nimport torch.distributed as _d\nsetattr(_d, 'barrier', print)\n", "setattr(_d",
+            "another module"),
+    # names built at run time, on anything
+    "09b": ("\n_x = [__name__][0]\n_y = getattr(_x, 'up' + 'per')\n", "getattr(_x", "built at run time"),
+    "02c": ("\n_g = globals()\n", "globals()", "built at run time"),
+    # code run around the grader's: dispatcher kernels, modes, processes
+    "07b": ("\nimport torch.library\n", "import torch.library", "around or below the grader"),
+    "01b": ("\nimport os\nos.system('true')\n", "os.system", "no processes started"),
 }
 
 
@@ -143,10 +161,10 @@ def test_an_endless_loop_fails_its_checks_by_name_and_the_rest_are_graded(tmp_pa
 
 
 def test_an_exit_at_import_fails_every_check_saying_so(tmp_path, monkeypatch):
-    _learner(tmp_path, monkeypatch, "01", "\nimport sys\nsys.exit(0)\n")
+    _learner(tmp_path, monkeypatch, "01", "\nraise SystemExit(0)\n")
     r = G.grade("01")
     assert r.points == 0
-    assert all("sys.exit(0)" in c.message for c in r.checks), [c.message for c in r.checks]
+    assert all("called sys.exit(0)" in c.message for c in r.checks), [c.message for c in r.checks]
 
 
 def test_an_exit_inside_a_function_fails_its_checks(tmp_path, monkeypatch):
@@ -159,10 +177,10 @@ def test_an_exit_inside_a_function_fails_its_checks(tmp_path, monkeypatch):
 
 def test_a_crash_of_the_process_fails_the_check_naming_the_signal(tmp_path, monkeypatch):
     _learner(tmp_path, monkeypatch, "05", replace={
-        'REFERENCE = {': 'import os\nimport signal\n\n\nclass LossScaler:\n    def __init__(self, *a, **k):\n'
-                         '        os.kill(os.getpid(), signal.SIGSEGV)\n\n\nREFERENCE = {'})
+        'REFERENCE = {': 'import os\n\n\nclass LossScaler:\n    def __init__(self, *a, **k):\n'
+                         '        os.abort()\n\n\nREFERENCE = {'})
     r = G.grade("05")
-    crashed = [c for c in r.checks if "signal 11" in c.message]
+    crashed = [c for c in r.checks if "signal 6" in c.message]
     assert crashed and r.points == 0, [c.message for c in r.checks]
 
 
