@@ -39,8 +39,10 @@ full layer or MLP computed by the grader in the same process):
 - the MLP: output, x.grad and every shard's gradient equal the full MLP's slices;
 - communication and work: f moves nothing forward and one all-reduce of x's size
   backward, g the mirror; the MLP (one column+row pair) one all-reduce forward and one
-  backward, each of B*T*C elements, on the group it was given, and nothing else; on
-  each rank 1/t of the full MLP's matrix-multiply FLOPs, forward and backward;
+  backward, each of B*T*C elements, on the group it was given, and nothing else, carrying
+  what this rank's slice contributes (the output's share, the input gradient's share); on
+  each rank 1/t of the full MLP's matrix-multiply FLOPs (products written as convolutions
+  count too), forward and backward;
 - (d) as its docstring says.
 Tolerances: fp32 results equal the full computation up to the order of the sums
 (rtol 1e-5, atol 1e-5 on values of order 1); what moves no sum (f forward, g backward) is

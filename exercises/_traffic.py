@@ -384,6 +384,9 @@ def current() -> Traffic | None:
 # --------------------------------------------------------------------- work: matrix products
 
 _MATMULS = ("mm", "bmm", "baddbmm", "addmm", "addbmm", "mv", "addmv", "dot", "vdot")
+# products written as convolutions (a linear layer is a 1x1 convolution): counted too, from
+# the output's size (forward) or the gradients' (backward)
+_CONVS = ("convolution", "convolution_backward")
 
 
 def _flops(op: str, shapes: list) -> int:
@@ -419,8 +422,24 @@ def counting_matmuls():
             seen.append((op, shapes, _flops(op, shapes)))
             return overload.redispatch(keyset.remove(_BS), *args, **kwargs)
         return kernel
+    def conv_kernel_of(op):
+        overload = getattr(torch.ops.aten, op).default
+
+        def kernel(keyset, *args, **kwargs):
+            out = overload.redispatch(keyset.remove(_BS), *args, **kwargs)
+            weight = args[2] if op == "convolution_backward" else args[1]
+            per_output = 2 * weight[0].numel()  # multiply-adds of one output element
+            if op == "convolution":
+                flops = per_output * out.numel()
+            else:  # grad_input and grad_weight: each as many as the forward
+                flops = 2 * per_output * args[0].numel()
+            seen.append((op, [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)], flops))
+            return out
+        return kernel
     for op in _MATMULS:
         lib.impl(op, kernel_of(op), "BackendSelect", with_keyset=True)
+    for op in _CONVS:
+        lib.impl(op, conv_kernel_of(op), "BackendSelect", with_keyset=True)
     try:
         yield seen
     finally:

@@ -265,6 +265,11 @@ class _Recorder:
         """Did an all-reduce of `phase` carry `want` (this rank's share of the sum), bit for bit?"""
         return any(t.shape == want.shape and torch.equal(t, want) for t in self.sent.get(phase, []))
 
+    def carried_close(self, phase: str, wants: list) -> bool:
+        """Did an all-reduce of `phase` carry one of `wants` (this rank's share of a sum that
+        the learner's own products made), to fp32 rounding?"""
+        return any(_close(t, w) for t in self.sent.get(phase, []) for w in wants)
+
     def recording(self):
         return H.watching_process_groups(self._seen, (*_rules.COLLECTIVES, "send", "recv", "recv_anysource"))
 
@@ -526,7 +531,7 @@ def _flops(fn) -> int:
 def _mlp_part(fns: dict, r: int, n: int) -> dict:
     group = _group(n)
     rec = _Recorder(group)
-    out = {"problem": None, "events": rec.events, "flops": None}
+    out = {"problem": None, "events": rec.events, "flops": None, "carried": (False, False)}
     hid = _block(HID, r, n)
     torch.manual_seed(3)
     full = FullMLP()
@@ -556,6 +561,16 @@ def _mlp_part(fns: dict, r: int, n: int) -> dict:
         with rec("mlp backward"):  # run even when the output is wrong: the communication
             bwd = _flops(lambda: y.backward(gy))  # check reads what it moved
     out["flops"] = (fwd, bwd, full_fwd, full_bwd)
+    # what this rank's slice of the hidden layer contributes, forward (the output, before
+    # c_proj's bias, which may be added before the sum, on one rank or as bias/t on each)
+    # and backward (the input gradient): the all-reduces must carry these
+    xs = x0.clone().requires_grad_()
+    part = F.linear(F.gelu(F.linear(xs, full.c_fc.weight.detach()[hid], full.c_fc.bias.detach()[hid]),
+                           approximate="tanh"), full.c_proj.weight.detach()[:, hid])
+    part.backward(gy)
+    b = full.c_proj.bias.detach()
+    out["carried"] = (rec.carried_close("mlp forward", [part.detach(), part.detach() + b, part.detach() + b / n]),
+                      rec.carried_close("mlp backward", [xs.grad]))
     out["problem"] = _first(
         wrong_output,
         _differ("ParallelMLP: x.grad", x.grad, xo.grad),
@@ -720,6 +735,10 @@ def _communication(impl):
             if res["flops"] is None:
                 raise AssertionError(f"on {n} ranks, rank {r}: ParallelMLP did not get as far as "
                                      f"its backward: {res['problem']}")
+            for what, ok, share in zip(("forward", "backward"), res["carried"],
+                                       ("output from its slice of the hidden layer", "input gradient")):
+                assert ok, (f"on {n} ranks, rank {r}, ParallelMLP {what}: " + _NOT_CARRIED.format(
+                    "the result was", f"partial {share}"))
             fwd, bwd, full_fwd, full_bwd = res["flops"]
             for what, got, full in (("forward", fwd, full_fwd), ("backward", bwd, full_bwd)):
                 assert got * n == full, (

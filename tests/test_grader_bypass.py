@@ -471,7 +471,7 @@ def test_07a_minidists_newton_schulz_scores_0_in_part_a(how, tmp_path, monkeypat
 
 from exercises import checks_10 as C10  # noqa: E402
 from exercises import checks_11 as C11  # noqa: E402
-from test_exercise_10 import PLAIN as PLAIN10, PlainColumn, PlainRow  # noqa: E402
+from test_exercise_10 import PLAIN as PLAIN10, PlainColumn, PlainMLP, PlainRow  # noqa: E402
 from test_exercise_11 import PLAIN as PLAIN11  # noqa: E402
 
 
@@ -529,6 +529,72 @@ def test_10_a_group_of_its_own_a_backend_object_or_a_sum_moved_unseen_scores_0(m
         want = ("of your own" if "Column" in name else "backend object" if "Row" in name else
                 "none of its all-reduces on the group carried")
         assert want in msg, (name, msg)
+
+
+class _ZerosSummed(torch.autograd.Function):
+    """y, after an all-reduce of zeros of its shape on the group, forward and backward: the
+    collectives the check counts, carrying nothing."""
+
+    @staticmethod
+    def forward(ctx, y, group):
+        ctx.group = group
+        z = torch.zeros_like(y)
+        dist.all_reduce(z, group=group)
+        return y + z
+
+    @staticmethod
+    def backward(ctx, g):
+        z = torch.zeros_like(g)
+        dist.all_reduce(z, group=ctx.group)
+        return g + z, None
+
+
+def _conv_linear(x, w, b=None):  # a linear layer as a 1x1 convolution
+    return torch.nn.functional.conv1d(x.transpose(1, 2), w.unsqueeze(-1), b).transpose(1, 2)
+
+
+class MLPCarryingZeros(PlainMLP):
+    """The shards as parameters, but the whole MLP computed from full weights kept in a
+    plain list, as convolutions; the all-reduces carry zeros."""
+
+    def __init__(self, full, group):
+        super().__init__(full, group)
+        self.group, self.full = group, [t.detach().clone() for t in (full.c_fc.weight, full.c_fc.bias,
+                                                                      full.c_proj.weight, full.c_proj.bias)]
+
+    def forward(self, x):
+        wf, bf, wp, bp = self.full
+        y = _conv_linear(torch.nn.functional.gelu(_conv_linear(x, wf, bf), approximate="tanh"), wp, bp)
+        return _ZerosSummed.apply(y, self.group)
+
+
+class MLPCheckedByConvolution(PlainMLP):
+    """The plain tensor-parallel MLP, whose output every rank also computes in full (as
+    convolutions, from full weights kept aside) to compare: every rank does all the work."""
+
+    def __init__(self, full, group):
+        super().__init__(full, group)
+        self.full = [t.detach().clone() for t in (full.c_fc.weight, full.c_fc.bias,
+                                                  full.c_proj.weight, full.c_proj.bias)]
+
+    def forward(self, x):
+        y = super().forward(x)
+        wf, bf, wp, bp = self.full
+        whole = _conv_linear(torch.nn.functional.gelu(_conv_linear(x.detach(), wf, bf), approximate="tanh"), wp, bp)
+        assert torch.allclose(y, whole, atol=1e-5)
+        return y
+
+
+@pytest.mark.parametrize("mlp, says", [(MLPCarryingZeros, "none of its all-reduces on the group carried"),
+                                        (MLPCheckedByConvolution, "matrix-multiply FLOPs")],
+                         ids=["zeros-carried", "convolutions"])
+def test_10_an_mlp_whose_work_is_not_split_scores_0_on_communication_and_work(mlp, says, monkeypatch):
+    monkeypatch.setattr(C10, "WORLD_SIZES", (2,))
+    _only(monkeypatch, "10", ("communication and work",))
+    r = G.grade("10", overrides={**PLAIN10, "ParallelMLP": mlp})
+    failed = _failed(r)
+    assert r.points == 0 and len(failed) == 1, failed
+    assert says in next(iter(failed.values())), failed
 
 
 def schedule_through_backend(run, m):  # GPipe, its messages posted on the group's backend object
