@@ -302,10 +302,17 @@ def main(argv=None) -> None:
     """python -m minidist.checkpoint PATH: every checkpoint under PATH (or PATH itself),
     intact or damaged and where; then what the newest intact one holds. Exit code 1 if
     one is damaged."""
-    path = Path((argv or sys.argv[1:] or ["."])[0])
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m minidist.checkpoint",
+                                description="Verify minidist checkpoints: every one under PATH, or PATH itself.")
+    p.add_argument("path", nargs="?", default=".", help="a checkpoint, or a folder of step_* checkpoints")
+    path = Path(p.parse_args(sys.argv[1:] if argv is None else argv).path)
     found = [path] if (path / "meta.json").exists() else list_checkpoints(path)
+    if not found and (path / "checkpoints").is_dir():
+        found = list_checkpoints(path / "checkpoints")  # a run's --out-dir
     if not found:
-        sys.exit(f"{path}: no minidist checkpoint here (no meta.json, no step_* folder with one)")
+        sys.exit(f"{path}: no minidist checkpoint here (no meta.json, no step_* folder with one): "
+                 "name a run's OUT_DIR, its OUT_DIR/checkpoints, or one OUT_DIR/checkpoints/step_NNNNNNNN")
     intact = []
     for p in found:
         try:
@@ -327,3 +334,7 @@ def main(argv=None) -> None:
             print(f"  {key:60s} {str(list(shape)):>14s}  in {len(r.pieces[key])} piece(s)")
     if len(intact) < len(found):
         sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -72,6 +72,9 @@ def env_world_size() -> int:
     if not raw.strip().isdigit() or int(raw) < 1:
         raise ValueError(f"WORLD_SIZE={raw!r} is not an integer >= 1: it is torchrun's to set; "
                          "unset it to run one process, or start the run with torchrun")
+    if int(raw) > 1 and "RANK" not in os.environ:  # a leftover: this process would run alone
+        raise ValueError(f"WORLD_SIZE={raw} is set but RANK is not: start the run with torchrun "
+                         "(which sets both), or unset WORLD_SIZE to run one process")
     return int(raw)
 
 

@@ -77,6 +77,17 @@ def comm_bytes(stage: int, accum: int, psi: int, world: int, elem: int = 4) -> f
     return comm_volume(STRATEGIES[stage], psi, world, elem_bytes=elem, accum=accum)
 
 
+def _memory_here() -> float:
+    """Bytes free where measure_recompute runs: the GPU's, or the machine's available memory."""
+    if torch.cuda.is_available():
+        return torch.cuda.mem_get_info()[0]
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return float("inf")  # unknown: let it try
+
+
 def default_budget_gb(device: str) -> float:
     """The GPU's memory less GPU_MARGIN; on a CPU, CPU_BUDGET_GB."""
     if device == "cuda" and torch.cuda.is_available():
@@ -276,6 +287,11 @@ def main(argv=None) -> None:
         cfg = GPTConfig(**{**cfg.to_dict(), "vocab_size": a.vocab_size})
     if a.measure_recompute:
         cfg = GPTConfig(**{**cfg.to_dict(), "block_size": max(cfg.block_size, a.seq_len)})
+        need = step_memory(cfg, a.measure_recompute, a.seq_len, 1, 0, False, "fp32")["peak"]  # (Adam's too: a margin)
+        have = _memory_here()
+        if need > 0.8 * have:
+            p.error(f"--measure-recompute builds {a.preset} here in fp32 with a batch of {a.measure_recompute}: about "
+                    f"{need / GB:.1f} GB, and this machine has {have / GB:.1f} GB free: use a smaller --preset or B")
         plain, ckpt = measure_recompute(cfg, a.measure_recompute, a.seq_len)
         print(f"{a.preset}, {a.measure_recompute} x {a.seq_len}: forward + backward {plain * 1e3:.0f} ms, with "
               f"recomputation {ckpt * 1e3:.0f} ms: +{100 * (ckpt / plain - 1):.0f}% "

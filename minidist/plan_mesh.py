@@ -40,13 +40,10 @@ Bytes as minidist sends them: fp32 gradients and pipeline activations, tp's acti
 autocast's dtype. Left out: recomputation repeating tp's forward all-reduces; stages assumed
 equal in time (section 3 of the chapter shows what the head adds).
 
-The search. Within a family (mesh, z, recomputation, sp), once m >= p every stage holds
-p - s micro-batches in flight whatever m, each of B = share / m sequences, and every term of
-step_memory is a constant or grows with B: memory never grows with m. So the m >= p that
-fit are all those from the smallest that fits up, which a binary search finds; the few
-m < p (where the in-flight count, and with it autocast's weight copies, grows with m) are
-each checked. Every m that fits is priced. tests/test_plan_mesh.py checks the result against
-a search of every configuration that weighs every stage.
+The search. In a family (mesh, z, recomputation, sp), once m >= p each stage holds p - s
+micro-batches of B = share / m in flight whatever m, so memory never grows with m: a binary
+search finds the smallest m >= p that fits; each m < p is checked. tests/test_plan_mesh.py
+holds the result equal to a search of every configuration that weighs every stage.
 """
 
 from __future__ import annotations
@@ -95,10 +92,14 @@ class Plan:
                          + ["recomputation" if self.checkpointed else "no recomputation"])
 
 
+def _divisors(n: int) -> list[int]:
+    return sorted({d for k in range(1, math.isqrt(n) + 1) if n % k == 0 for d in (k, n // k)})
+
+
 def meshes(cfg: GPTConfig, world: int) -> list[tuple[int, int, int]]:
     """(dp, tp, pp) for every split of the world that train_gpt's rules allow."""
-    return [(world // (tp * pp), tp, pp) for tp in range(1, world + 1) if world % tp == 0 and cfg.n_head % tp == 0
-            for pp in range(1, min(world // tp, cfg.n_layer) + 1) if (world // tp) % pp == 0]
+    return [(world // (tp * pp), tp, pp) for tp in _divisors(world) if cfg.n_head % tp == 0
+            for pp in _divisors(world // tp) if pp <= cfg.n_layer]
 
 
 def zero_stages(tp: int, pp: int) -> tuple[int, ...]:
@@ -240,11 +241,10 @@ def plan_on_mesh(cfg, batch, seq_len, dp, tp, pp, budget_gb, precision="bf16", s
     fits = [c for c in plans if c.peak <= budget_gb * GB]
     if not fits:
         least = min(plans, key=lambda c: c.peak)
-        raise PlanError(f"nothing fits {budget_gb:g} GB per rank on {least.mesh()}: the least, "
-                        f"{least.describe()}, needs {least.peak / GB:.1f} GB; use more ranks, a shorter "
-                        "--seq-len, a smaller model or a larger --memory-budget-gb")
-    best = min(fits, key=Plan.price)
-    return best, explain(best, budget_gb)
+        raise PlanError(f"nothing fits {budget_gb:g} GB per rank on {least.mesh()}: the least, {least.describe()}, "
+                        f"needs {least.peak / GB:.1f} GB; use more ranks, a shorter --seq-len, a smaller model "
+                        "or a larger --memory-budget-gb")
+    return min(fits, key=Plan.price), explain(min(fits, key=Plan.price), budget_gb)
 
 
 def resolve_auto(args, world: int, vocab_size: int) -> str | None:
@@ -252,9 +252,8 @@ def resolve_auto(args, world: int, vocab_size: int) -> str | None:
     the rest): the mesh is the command line's, dp = world / (tp pp); the ZeRO stage, the
     micro-batches (--grad-accum-steps: the pipeline's m) and recomputation are chosen."""
     if not any(getattr(args, a) == "auto" for a in AUTO_FLAGS):
-        return None
-    zero_ok = args.dp == "bucketed"  # as minidist.plan: ZeRO stands on the bucketed DDP's layout
-    zeros = tuple(z for z in zero_stages(args.tp, args.pp) if zero_ok or z == 0)
+        return None  # (below: ZeRO stands on the bucketed DDP's layout, as in minidist.plan)
+    zeros = tuple(z for z in zero_stages(args.tp, args.pp) if args.dp == "bucketed" or z == 0)
     choice, line = plan_on_mesh(
         model_of(args, vocab_size), args.batch_size, args.seq_len, world // (args.tp * args.pp), args.tp, args.pp,
         args.memory_budget_gb or default_budget_gb(args.device), args.precision, args.sequence_parallel,
@@ -305,6 +304,9 @@ def table(cfg, batch, seq_len, world, budget_gb, precision="bf16", hw=None) -> l
     return rows
 
 
+MAX_COUNT = 2**24  # ranks, tokens or sequences: beyond any machine the cost model describes
+
+
 def main(argv=None) -> None:
     models = {**{k: GPTConfig(**v) for k, v in PRESETS.items()}, **MODELS}
     p = argparse.ArgumentParser(description="dp x tp x pp, ZeRO, micro-batches and recomputation "
@@ -321,8 +323,8 @@ def main(argv=None) -> None:
         p.error(f"argument --preset: unknown model {a.preset!r}: one of {', '.join(models)}")
     for flag, v in (("--world-size", a.world_size), ("--seq-len", a.seq_len), ("--gpus-per-node", a.gpus_per_node),
                     ("--batch-size", a.batch_size)):
-        if v is not None and v < 1:
-            p.error(f"argument {flag}: must be an integer >= 1, got {v}: give a positive count")
+        if v is not None and not 1 <= v <= MAX_COUNT:
+            p.error(f"argument {flag}: must be an integer from 1 to {MAX_COUNT:,}, got {v}: a count a machine could have")
     if not (math.isfinite(a.budget_gb) and a.budget_gb > 0):
         p.error(f"argument --budget-gb: must be a finite number > 0, got {a.budget_gb}: give the GB each rank may use")
     cfg, batch = models[a.preset], a.batch_size or 8 * a.world_size

@@ -86,6 +86,11 @@ def resume_from(resume: str | None, root, checkpoint_every: int, settings: dict,
     checkpoint elsewhere, is refused where `root` holds another run's checkpoints, which its
     own would be mixed with and pruned: --resume auto continues that run, another --out-dir
     starts a new one."""
+    if resume not in (None, "auto") and Path(resume).is_dir() and not (Path(resume) / "meta.json").exists():
+        inside = checkpoint.latest(Path(resume)) or checkpoint.latest(Path(resume) / "checkpoints")
+        if inside is not None:  # a run's OUT_DIR or its checkpoints folder, not one checkpoint
+            raise ValueError(f"{resume} holds checkpoints but is not one: name one, e.g. --resume {inside}, "
+                             "or use --resume auto with that run's --out-dir")
     if resume not in (None, "auto") and not Path(resume).is_dir():
         why = "a file, not a checkpoint folder" if Path(resume).exists() else "no such folder"
         raise ValueError(f"{resume} is not a complete minidist checkpoint ({why}): name a checkpoint "

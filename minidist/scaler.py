@@ -113,9 +113,9 @@ class LossScaler:
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, hysteresis: int = 1,
                  min_scale: float = 1.0, enabled: bool = True, group=None):
-        if not (0 < min_scale <= init_scale < float("inf")):
-            raise ValueError(f"need 0 < min_scale <= init_scale < inf, got min_scale={min_scale}, "
-                             f"init_scale={init_scale}")
+        if not (0 < min_scale <= init_scale and _f32(init_scale) < float("inf")):
+            raise ValueError(f"need 0 < min_scale <= init_scale <= fp32's largest (3.4e38), got "
+                             f"min_scale={min_scale}, init_scale={init_scale}")
         if growth_factor <= 1.0 or not 0.0 < backoff_factor < 1.0:
             raise ValueError(f"need growth_factor > 1 and 0 < backoff_factor < 1, got "
                              f"{growth_factor} and {backoff_factor}")

@@ -146,3 +146,16 @@ def test_pp_benchmark_quick(tmp_path):
     for r in result["versus_torch"]:
         assert r["max_grad_diff"] <= 1e-6 and r["ours_s"] > 0 and r["torch_s"] > 0
     assert (tmp_path / "pp.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["zero", "--quick", "--world-sizes", "0"], "argument --world-sizes: must be an integer >= 1, got '0'"),
+    (["muon_zero", "--quick", "--world-sizes", "1"], "muon_zero compares ranks: give at least one world size >= 2"),
+    (["scale", "--quick", "--out", "{file}"], "argument --out: cannot make the folder"),
+])
+def test_bad_arguments_are_refused_before_any_work(argv, says, tmp_path, capsys):
+    from minidist.bench.__main__ import main
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit) as e:
+        main([a.replace("{file}", str(tmp_path / "afile")) for a in argv])
+    assert e.value.code == 2 and says in capsys.readouterr().err

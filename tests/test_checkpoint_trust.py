@@ -387,3 +387,15 @@ def test_non_finite_weights_optimizer_state_or_loss_scale_are_never_saved(tmp_pa
     for p in model.parameters():
         p.grad = torch.full_like(p, math.inf)
     assert checkpoint.verify(checkpoint.save(root, 1, model, [opt], LossScaler())) == []
+
+
+def test_the_cli_has_help_takes_one_path_and_finds_a_runs_checkpoints(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        checkpoint.main(["--help"])
+    assert e.value.code == 0 and "Verify minidist checkpoints" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        checkpoint.main([str(tmp_path), "extra"])
+    assert e.value.code == 2 and "unrecognized arguments: extra" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        checkpoint.main([str(tmp_path)])
+    assert "name a run's OUT_DIR, its OUT_DIR/checkpoints" in str(e.value.code)

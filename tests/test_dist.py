@@ -6,6 +6,7 @@ and a failed call that leaves nothing behind for the next."""
 
 import os
 import subprocess
+import sys
 import time
 
 import pytest
@@ -91,9 +92,23 @@ def test_deadline_stops_a_run_that_never_ends():
     # the ranks spin forever: that launch returned at all is the deadline's doing
 
 
-def test_bad_world_size():
-    with pytest.raises(ValueError, match="world_size must be >= 1"):
-        launch(_who_and_sum, 0, 0.0)
+@pytest.mark.parametrize("world_size, kw, says", [
+    (0, {}, "world_size must be an integer >= 1, got 0"), (2.5, {}, "got 2.5"), ("2", {}, "got '2'"),
+    (2, {"timeout_s": 0}, "timeout_s must be a finite number of seconds > 0"),
+    (2, {"deadline_s": -1}, "deadline_s must be a finite number of seconds > 0 or None"),
+    (2, {"grace_s": float("nan")}, "grace_s must be a finite number of seconds >= 0")])
+def test_bad_arguments_are_refused_before_any_process_starts(world_size, kw, says):
+    with pytest.raises(ValueError, match=says):
+        launch(_who_and_sum, world_size, 0.0, **kw)
+
+
+def _exits(code):
+    sys.exit(code)
+
+
+def test_a_rank_that_exits_is_a_launch_error_not_the_callers_exit():
+    with pytest.raises(LaunchError, match=r"rank [01] of 2 failed: SystemExit: bye"):
+        launch(_exits, 2, "bye")
 
 
 def test_launch_from_a_notebook(tmp_path):
@@ -160,5 +175,5 @@ def test_pool_failure_is_reraised_with_rank_and_the_next_call_gets_fresh_process
 
 
 def test_pool_bad_world_size():
-    with pytest.raises(ValueError, match="world_size must be >= 1"):
+    with pytest.raises(ValueError, match="world_size must be an integer >= 1"):
         Pool(0)

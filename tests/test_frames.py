@@ -163,8 +163,8 @@ SAME_FLOOR = {  # module: what it may import on its own floor
     "tensor_parallel_cost": {"tensor_parallel", "cost_model"},
     "tensor_parallel_muon": {"muon", "newton_schulz", "tensor_parallel"},
     "train_gpt": {"run", "run.*"},
-    "bench": {"run.flags"},  # cpu_default reads AUTO, train_gpt's defaults
-    "bench.*": {"run.flags"},  # AUTO, train_gpt's defaults; never train_gpt itself
+    "bench": {"run.flags", "run.flag_types"},  # cpu_default reads AUTO, train_gpt's defaults
+    "bench.*": {"run.flags", "run.flag_types"},  # AUTO, train_gpt's defaults, the flags' types; never train_gpt itself
 }
 ORDER = list(FLOORS)
 

@@ -133,3 +133,12 @@ def test_planner_arguments_are_checked_before_any_planning(argv, says, capsys):
 def test_plan_refuses_sizes_no_run_can_have(batch, seq_len, world, budget):
     with pytest.raises(P.PlanError):  # (a negative size would have made a plan "fit")
         P.plan(MODELS["124M"], batch, seq_len, world, budget, "bf16")
+
+
+def test_measuring_recomputation_refuses_a_model_this_machine_cannot_hold(capsys, monkeypatch):
+    import minidist.plan as P
+    monkeypatch.setattr(P, "_memory_here", lambda: 16e9)  # a 16 GB machine, whatever this one is
+    with pytest.raises(SystemExit) as e:
+        P.main(["--preset", "7B", "--measure-recompute", "1"])  # ~28 GB of fp32 weights alone
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--measure-recompute builds 7B here" in err and "16.0 GB free" in err, err

@@ -179,11 +179,12 @@ def test_cli_prints_the_choice_and_a_table(capsys):
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--world-size", "0"], "argument --world-size: must be an integer >= 1"),
+    (["--world-size", "0"], "argument --world-size: must be an integer from 1 to 16,777,216"),
+    (["--world-size", "999999999999"], "argument --world-size: must be an integer from 1 to 16,777,216"),
     (["--world-size", "two"], "argument --world-size: invalid int value"),
     (["--budget-gb", "-80"], "argument --budget-gb: must be a finite number > 0"),
     (["--budget-gb", "nan"], "argument --budget-gb: must be a finite number > 0"),
-    (["--batch-size", "0"], "argument --batch-size: must be an integer >= 1"),
+    (["--batch-size", "0"], "argument --batch-size: must be an integer from 1"),
     (["--batch-size", "12", "--world-size", "8"], "does not divide over 8 ranks: use a multiple of 8"),
     (["--preset", "gpt5"], "unknown model 'gpt5'"),
 ])

@@ -26,6 +26,7 @@ def test_every_recipe_is_listed():
 @pytest.mark.parametrize("name", sorted(WORLD))
 def test_recipe_resolves(name, tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", str(WORLD[name]))
+    monkeypatch.setenv("RANK", "0")  # as torchrun sets them
     # checked as it would start, on this CPU machine: --device cpu overrides a GPU recipe's
     # "cuda" (the command line wins), and the checkpoints go to a fresh folder
     args = resolve_args(parse_args(["--config", str(RECIPES / name), "--device", "cpu",

@@ -241,7 +241,7 @@ def _numeric_flags():
     """Every flag that takes a number: build_parser's actions whose type checks a range."""
     p = build_parser()
     return [a.option_strings[0] for a in p._actions
-            if a.option_strings and a.type is not None and a.dest not in ("zero_stage",)]
+            if a.option_strings and a.type is not None and a.dest not in ("zero_stage", "out_dir")]
 
 
 def test_every_number_flag_has_a_range():
@@ -275,7 +275,8 @@ BAD_FLAGS = {  # flag: values that must be refused, and what the message must sa
     "--zero-stage": (["4", "x", "-1"], "0, 1, 2, 3"),
     "--grad-accum-steps": (["0", "x"], "an integer >= 1"),
     "--memory-budget-gb": (["0", "nan", "-2"], "a finite number > 0"),
-    "--loss-scale-init": (["0", "inf"], "a finite number > 0"),
+    "--loss-scale-init": (["0", "0.5", "inf", "1e300"], "a number from 1 to fp32's largest"),
+    "--out-dir": (["", " "], "is empty: name a folder"),
     "--bucket-cap-mb": (["-1", "nan"], "a number of MiB >= 0"),
     "--n-head": (["0"], "an integer >= 1"),
     "--sample-tokens": (["-1"], "an integer >= 0"),
@@ -309,6 +310,7 @@ BAD_ENV = [  # (variable, value or a function of tmp_path making one), the messa
     ("MINIDIST_DATA", _a_file, "is a file, not a folder"),
     ("WORLD_SIZE", "two", "integer >= 1"),
     ("WORLD_SIZE", "0", "integer >= 1"),
+    ("WORLD_SIZE", "2", "is set but RANK is not: start the run with torchrun"),  # RANK unset here
 ]
 
 
@@ -355,6 +357,14 @@ def _meta(text):
     return make
 
 
+def _a_run(tmp_path):
+    """A run's out-dir holding one (empty) checkpoint folder: what --resume must not take."""
+    step = tmp_path / "run" / "checkpoints" / "step_00000002"
+    step.mkdir(parents=True, exist_ok=True)
+    (step / "meta.json").write_text("{}")
+    return str(tmp_path / "run")
+
+
 BAD_FILES = [  # (flags, each a string or a function of tmp_path), the message's words
     (["--data", lambda t: str(t), "--val-data", lambda t: str(t)], "--data: "),
     (["--resume", _a_file], "a file, not a checkpoint folder"),
@@ -364,7 +374,18 @@ BAD_FILES = [  # (flags, each a string or a function of tmp_path), the message's
     (["--resume", _meta("null")], "--resume"),
     (["--resume", _meta("[1, 2]")], "--resume"),
     (["--resume", _meta("{not json")], "--resume"),
+    (["--resume", _a_run], "holds checkpoints but is not one: name one, e.g. --resume"),
+    (["--resume", lambda t: str(_a_run(t)) + "/checkpoints"], "holds checkpoints but is not one"),
 ]
+
+
+def test_a_config_file_that_is_not_text_is_named(tmp_path, capsys):
+    from minidist.run.flags import parse_args
+    (tmp_path / "c.toml").write_bytes(b"\xff\xfe")
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--config", str(tmp_path / "c.toml")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "c.toml: not valid TOML: not UTF-8 text" in err and "Traceback" not in err, err
 
 
 @pytest.mark.parametrize("argv, says", BAD_FILES, ids=range(len(BAD_FILES)))

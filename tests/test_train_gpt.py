@@ -128,6 +128,7 @@ def test_bad_flags_fail_before_any_process_group_work(extra, message, monkeypatc
     # what a rank of 2 under torchrun sees, minus the rendezvous: main must exit before
     # init() (no group exists after it), with the message
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
     with pytest.raises(SystemExit) as e:
         train_gpt.main(TINY + ["--steps", "10", "--batch-size", "4", *extra])
     assert e.value.code == 2 and message in capsys.readouterr().err

@@ -32,6 +32,7 @@ import argparse
 import json
 from pathlib import Path
 
+from minidist.run.flag_types import positive_int
 from minidist.bench import checksums, collectives, ddp, muon, muon_zero, pp, report, scale, tp, zero
 
 
@@ -49,11 +50,16 @@ def main(argv=None) -> None:
     p.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
     p.add_argument("--out", default="bench_out", help="folder for NAME.json and NAME.png")
     p.add_argument("--quick", action="store_true", help="a few sizes, one world size (smoke test)")
-    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--world-sizes", type=positive_int, nargs="+", default=[2, 4])
     p.add_argument("--ops", nargs="+", default=list(collectives.RING), choices=list(collectives.RING),
                    help="collectives to time (collectives only)")
     args = p.parse_args(argv)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.name in ("muon_zero", "zero", "ddp", "tp", "pp", "collectives") and max(args.world_sizes) < 2:
+        p.error(f"argument --world-sizes: {args.name} compares ranks: give at least one world size >= 2")
+    try:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"argument --out: cannot make the folder {args.out}: {e.strerror or e}: name a folder")
     result = BENCHMARKS[args.name](args)
     (Path(args.out) / f"{args.name}.json").write_text(json.dumps(result, indent=1))
     png = Path(args.out) / f"{args.name}.png"

@@ -25,6 +25,8 @@ def config_argv(p: argparse.ArgumentParser, path: str | None) -> list[str]:
         p.error(f"--config {path}: {e.strerror or e}")
     except tomllib.TOMLDecodeError as e:
         p.error(f"--config {path}: not valid TOML: {e}")
+    except UnicodeDecodeError:
+        p.error(f"--config {path}: not valid TOML: not UTF-8 text")
     actions = {a.dest: a for a in p._actions if a.option_strings}
     out = []
     for key, value in table.items():

@@ -41,6 +41,15 @@ below_one = number(float, 0, 1, high_open=True, what="a number in [0, 1)")
 up_to_one = number(float, 0, 1, what="a number in [0, 1]")
 seed_int = number(int, 0, 2**63 - 1, what="an integer in [0, 2**63)")  # torch and numpy take it
 mib = number(float, 0, inf_ok=True, what="a number of MiB >= 0 (inf: one bucket)")
+# the first loss scale: at least 1, and a float32 (the scale's dtype, as GradScaler's) that is finite
+loss_scale = number(float, 1.0, 3.4028234663852886e38, what="a number from 1 to fp32's largest, 3.4e38 (65536 is usual)")
+
+
+def folder_name(text: str) -> str:
+    """A folder's name: not empty (an empty one would write into the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: name a folder, e.g. --out-dir out")
+    return text
 
 
 def or_auto(kind):

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from minidist import data, faults
 from minidist.run import outputs
 from minidist.run.flag_checks import check_pipeline, check_tensor_parallel, config_argv
-from minidist.run.flag_types import (below_one, int_or_auto, mib, nonneg_float, nonneg_int, or_auto,
-                                 positive_float, positive_int, seed_int, up_to_one)
+from minidist.run.flag_types import (below_one, folder_name, int_or_auto, loss_scale, mib, nonneg_float,
+                                     nonneg_int, or_auto, positive_float, positive_int, seed_int, up_to_one)
 from minidist.dist import default_timeout_s, env_device, env_world_size, in_use_message, lock_holder
 from minidist.model import PRESETS, GPTConfig
 from minidist import plan_mesh
@@ -104,14 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     a("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
       help="autocast dtype of the forward pass; parameters, gradients and optimizer state stay "
            "fp32; fp16 always runs with dynamic loss scaling (minidist.scaler.LossScaler)")
-    a("--loss-scale-init", type=positive_float, default=2.0**16, help="fp16: the first loss scale")
+    a("--loss-scale-init", type=loss_scale, default=2.0**16,
+      help="fp16: the first loss scale, 1 to fp32's largest (3.4e38)")
     a("--loss-scale-growth-interval", type=positive_int, default=2000,
       help="fp16: clean steps before the loss scale doubles")
     a("--loss-scale-hysteresis", type=positive_int, default=1,
       help="fp16: consecutive overflows before the loss scale halves (each one skips its step)")
     a("--seed", type=seed_int, default=1337)
     a("--sample-tokens", type=nonneg_int, default=120, help="tokens to generate at the end")
-    a("--out-dir", default="out", help="where metrics.jsonl, loss.png, summary.json go")
+    a("--out-dir", type=folder_name, default="out", help="where metrics.jsonl, loss.png, summary.json go")
     a("--checkpoint-every", type=nonneg_int, default=0,
       help="save a checkpoint in OUT_DIR/checkpoints every N steps and at the end (0: never)")
     a("--keep-checkpoints", type=positive_int, default=2, help="the newest checkpoints to keep")
@@ -146,6 +147,7 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but CUDA is not available: use --device cpu")
+    defaulted = {k for k in AUTO[args.device] if getattr(args, k) is None}
     for k, v in AUTO[args.device].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -163,7 +165,9 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
     except (ValueError, ZeroDivisionError) as e:
         p.error(f"--n-layer/--n-head/--n-embd: {e}")
     if args.warmup_steps >= args.steps:  # (each number's own range: its type, build_parser)
-        p.error(f"--warmup-steps must be in [0, --steps), got {args.warmup_steps} with --steps {args.steps}")
+        p.error(f"--warmup-steps must be in [0, --steps), got {args.warmup_steps} with --steps {args.steps}"
+                + (f" ({args.warmup_steps} is the {args.device} default: give --warmup-steps below --steps)"
+                   if "warmup_steps" in defaulted else ""))
     args.plan = None  # chapter 09: the planner fills in what is "auto"
     check_pipeline(p, args, world_size)  # chapters 11 and 10: the mesh, before the planner keeps to it
     check_tensor_parallel(p, args, world_size)

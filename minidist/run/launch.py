@@ -23,6 +23,7 @@ exercise grader use it); the pieces it shares with launch are the helpers below.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import pickle
 import queue
@@ -148,12 +149,26 @@ def _reraise(rank: int, world_size: int, info):
     blob, tb, text = info
     exc = pickle.loads(blob) if blob is not None else None
     where = f"rank {rank} of {world_size}"
+    if not isinstance(exc, Exception):  # SystemExit, KeyboardInterrupt: a rank's, not the caller's
+        exc = None
     if exc is not None and exc.args and isinstance(exc.args[0], str):
         exc.args = (f"[{where}] {exc.args[0]}",) + exc.args[1:]
     else:
         exc = LaunchError(f"{where} failed: {text}")
     exc.rank = rank
     raise exc from RemoteTraceback(f"\n\nTraceback on {where}:\n{tb}")
+
+
+def check_times(timeout_s, grace_s, deadline_s) -> None:
+    """ValueError unless the time limits of a launch or a Pool can mean something."""
+    for name, v, none_ok in (("timeout_s", timeout_s, False), ("grace_s", grace_s, False),
+                             ("deadline_s", deadline_s, True)):
+        if v is None and none_ok:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
+                or (v == 0 and name != "grace_s"):
+            raise ValueError(f"{name} must be a finite number of seconds {'>= 0' if name == 'grace_s' else '> 0'}"
+                             f"{' or None' if none_ok else ''}, got {v!r}")
 
 
 def choose_backend(world_size, backend, device):
@@ -164,8 +179,8 @@ def choose_backend(world_size, backend, device):
     device="cuda" or backend="nccl": NCCL, one GPU per rank. device="auto": NCCL when every
     rank can have its own GPU (or MINIDIST_DEVICE says so), else gloo; for a function
     that puts its tensors on the device its backend implies."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     if backend not in (None, "gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if device not in (None, "cpu", "cuda", "auto"):
@@ -295,6 +310,7 @@ def launch(fn, world_size: int, *args, backend: str | None = None, device: str |
     never ends involves no collective, so only a deadline can catch it).
     """
     backend, device_type = choose_backend(world_size, backend, device)
+    check_times(timeout_s, grace_s, deadline_s)
     store, procs, results, _ = start_ranks(world_size, backend, device_type, timeout_s,
                                            dumps((fn, args)), pooled=False)
     failure = None

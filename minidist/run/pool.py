@@ -11,7 +11,8 @@ from __future__ import annotations
 import atexit
 import os
 
-from minidist.run.launch import choose_backend, collect_results, dumps, raise_failure, start_ranks, stop_ranks
+from minidist.run.launch import (check_times, choose_backend, collect_results, dumps, raise_failure, start_ranks,
+                                 stop_ranks)
 
 
 class Pool:
@@ -30,6 +31,7 @@ class Pool:
                  timeout_s: float = 120.0, grace_s: float = 1.0):
         self.world_size = world_size
         self.backend, self.device_type = choose_backend(world_size, backend, device)
+        check_times(timeout_s, grace_s, None)
         self.timeout_s, self.grace_s = timeout_s, grace_s
         self._group = None  # (store, processes, results, task queues), started on first use
         self.starts = 0     # how many groups it has started: 1 unless calls failed
@@ -37,6 +39,7 @@ class Pool:
     def run(self, fn, *args, timeout_s: float | None = None, deadline_s: float | None = None) -> list:
         """fn(*args) on every rank of the pool; the list of return values, by rank.
         `timeout_s` (the pool's by default) and `deadline_s` are launch's."""
+        check_times(self.timeout_s if timeout_s is None else timeout_s, self.grace_s, deadline_s)
         if self._group is None:
             self._group = start_ranks(self.world_size, self.backend, self.device_type,
                                       self.timeout_s, None, pooled=True)
