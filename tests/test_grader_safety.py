@@ -86,6 +86,10 @@ FILE_CHEATS = {
     # code run around the grader's: dispatcher kernels, modes, processes
     "07b": ("\nimport torch.library\n", "import torch.library", "around or below the grader"),
     "01b": ("\nimport os\nos.system('true')\n", "os.system", "no processes started"),
+    # the rendezvous store, through torch's own helpers
+    "04b": ("\nfrom torch.distributed.elastic.utils.store import synchronize\n",
+            "from torch.distributed.elastic", "rendezvous store"),
+    "02d": ("\nimport torch.distributed as _d\n_S = _d.TCPStore\n", "_S = _d.TCPStore", "rendezvous store"),
 }
 
 
