@@ -30,8 +30,10 @@ The contract (each a part of the score):
 - autocast: under torch.autocast(bf16) the gradients equal the run without
   checkpointing (backward runs outside the forward's autocast region).
 
-Rule: torch.utils.checkpoint is the oracle, not a building block. The grader replaces it
-with a tripwire while your code runs; a solution that calls it scores 0.
+Rules: torch.utils.checkpoint is the oracle, not a building block: none of it (its
+functions, its Function classes) may be named in your file, and all of it trips while
+your code runs; a solution that uses it scores 0. What you keep for backward stays in
+tensors, where the grader counts it: no bare storages, numpy arrays, lists or bytes.
 
 Grade your work with
 

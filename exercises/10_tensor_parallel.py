@@ -53,9 +53,10 @@ Rules (enforced in every graded part; a part that breaks one scores 0, naming th
   torch.distributed.tensor (DTensor, distribute_tensor, parallelize_module and its
   Colwise/Rowwise/Sequence styles), no torch.distributed.nn.functional (its autograd-aware
   collectives are what (a) asks you to write), no torch.distributed._functional_collectives.
-- Do not import minidist.tensor_parallel or minidist.tensor_parallel_gpt (the answer to
-  this exercise), nor the grader (anything under exercises.), nor reach modules by name
-  at run time (importlib, __import__, sys.modules). The grader reads this file before it
+- Import nothing from minidist (minidist.tensor_parallel and its neighbours are the answer
+  to this exercise, and its other modules re-export them), nor the grader (anything under
+  exercises.), nor modules outside torch and the standard library's plain tools, nor reach
+  anything by a name built at run time (importlib, __import__, sys.modules, getattr). The grader reads this file before it
   runs anything: such a line scores 0 in every check, naming the line.
 - The collectives allowed are all-reduce, all-gather and reduce-scatter (any of their
   torch.distributed forms); other data movement (broadcast, all-to-all, send/recv) fails.

@@ -51,9 +51,10 @@ Rules (enforced in every graded part; a part that breaks one scores 0, naming th
 - Only point-to-point messages between neighbouring stages, on run.group: no collectives
   (all_reduce, broadcast, all_gather, ...), no message to any other stage.
 - No torch.distributed.pipelining (its stages and schedules, under any name).
-- Do not import minidist.pipeline, minidist.pipeline_measure or minidist.pipeline_compose
-  (the answer to this exercise), nor the grader (anything under exercises.), nor reach
-  modules by name at run time (importlib, __import__, sys.modules). The grader reads this
+- Import nothing from minidist (minidist.pipeline and its neighbours are the answer to this
+  exercise, and its other modules re-export them), nor the grader (anything under
+  exercises.), nor modules outside torch and the standard library's plain tools, nor reach
+  anything by a name built at run time (importlib, __import__, sys.modules, getattr). The grader reads this
   file before it runs anything: such a line scores 0 in every check, naming the line.
 
 Grade your work with `python -m exercises.grade 11` (about 20 s on a quiet 2-core machine:

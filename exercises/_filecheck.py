@@ -4,9 +4,10 @@ Every exercise's rules are enforced twice. While the learner's code runs, exerci
 trips on the forbidden APIs it calls. Before that, this module reads the learner's file as
 a syntax tree (nothing is imported or run) and refuses, naming the line and the rule:
 
-- minidist's own modules for the exercise's idea (its checks module's IDEA_MODULES, less
-  what the stub itself hands out: IDEA_ALLOWED) and the REFERENCE targets: the answer is
-  not a building block;
+- minidist's own modules for the exercise's idea (its checks module's IDEA_MODULES) and the
+  REFERENCE targets: the answer is not a building block; and any other part of minidist but
+  what the stub itself imports (IDEA_ALLOWED) and minidist.launch, since minidist's modules
+  re-export each other's objects (minidist.train holds the scaler and ZeRO);
 - anything of `exercises.*`: the grader, its checks, its reference and its exempt context;
 - the torch APIs the exercise forbids at run time (its RULES: forbidden classes and
   functions, and the torch.distributed collectives outside its allowed ones), under any
@@ -166,9 +167,11 @@ def _loaded(dotted: str):
     return None
 
 
-def problems(source: str, filename: str, table: dict, allowed=()) -> list[str]:
+def problems(source: str, filename: str, table: dict, allowed=(), attrs=None) -> list[str]:
     """What in `source` breaks a rule of `table` ({dotted prefix: rule}), each naming its
-    line: read, never run. `allowed`: dotted names the stub itself hands out."""
+    line: read, never run. `allowed`: dotted names the stub itself hands out; `attrs`:
+    {attribute name: rule}, refused on anything (an exercise's FILE_ATTRS)."""
+    attrs = attrs or {}
     try:
         tree = ast.parse(source, filename)
     except SyntaxError as e:
@@ -188,6 +191,10 @@ def problems(source: str, filename: str, table: dict, allowed=()) -> list[str]:
             if dotted == prefix or dotted.startswith(prefix + "."):
                 return f"{prefix}: {rule}"
         parts = dotted.split(".")
+        if parts[0] == "minidist" and len(parts) > 1 and parts[1] != "launch":
+            return ("minidist is this course's answer key: a solution uses only what the stub "
+                    "imports from it" + (f" ({', '.join(a for a in allowed if a.startswith('minidist'))})"
+                                         if any(a.startswith("minidist") for a in allowed) else " (nothing, here)"))
         if parts[0] == "torch" and (parts[1:2] == ["ops"] or any(
                 p.startswith("_") and not p.startswith("__") for p in parts[1:])):
             return ("torch's private APIs and torch.ops: only torch's public API, which the "
@@ -264,7 +271,9 @@ def problems(source: str, filename: str, table: dict, allowed=()) -> list[str]:
                 and node.args and root_of(node.args[0]) in alias):
             flag(node, f"`{ast.unparse(node)}`", _MONKEYPATCH)
         if isinstance(node, ast.Attribute):
-            if node.attr in _REACH:
+            if node.attr in attrs:
+                flag(node, f"`{ast.unparse(node)}`", attrs[node.attr])
+            elif node.attr in _REACH:
                 flag(node, f"`{ast.unparse(node)}`", _BY_NAME)
             elif node.attr in _INTROSPECTION:
                 flag(node, f"`{ast.unparse(node)}`", _FRAMES)
@@ -318,4 +327,5 @@ def of_exercise(nn: str, path, checks_module=None, reference_targets=()) -> list
         source = path.read_text()
     except OSError as e:
         return [f"exercises/{path.name} does not load: {type(e).__name__}: {e}"]
-    return problems(source, f"exercises/{path.name}", table, getattr(mod, "IDEA_ALLOWED", ()))
+    return problems(source, f"exercises/{path.name}", table, getattr(mod, "IDEA_ALLOWED", ()),
+                    getattr(mod, "FILE_ATTRS", None))

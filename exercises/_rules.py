@@ -263,6 +263,27 @@ def scan(w: Watch | None, rules: Rules | None, *objs) -> None:
                         pass
 
 
+def defined_in(mod) -> list[str]:
+    """Dotted names of everything callable `mod` defines: its functions and classes, and
+    the classes' own methods (static and class methods included), so that an object made
+    without its constructor trips when used. Enums and exceptions are left out (what they
+    do is no implementation)."""
+    import enum
+    names = []
+    for name, obj in vars(mod).items():
+        if getattr(obj, "__module__", None) != mod.__name__:
+            continue
+        if isinstance(obj, type):
+            if issubclass(obj, (enum.Enum, BaseException)):
+                continue
+            names.append(f"{mod.__name__}.{name}")
+            names += [f"{mod.__name__}.{name}.{m}" for m, f in vars(obj).items()
+                      if m != "__init__" and isinstance(f, (types.FunctionType, staticmethod, classmethod))]
+        elif isinstance(obj, types.FunctionType):
+            names.append(f"{mod.__name__}.{name}")
+    return names
+
+
 def current() -> tuple[Watch | None, Rules | None]:
     """The watch and rules of the part running on this rank (set by the harness)."""
     return getattr(_STATE, "watch", None), getattr(_STATE, "rules", None)

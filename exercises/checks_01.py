@@ -17,6 +17,7 @@ from minidist.model import GPT, PRESETS, GPTConfig
 # minidist's modules for this exercise's idea: the learner's file may not name them
 # (exercises/_filecheck.py reads it before anything runs)
 IDEA_MODULES = ("minidist.metrics", "minidist.model.config_num_params", "minidist.model.flops_per_token")
+IDEA_ALLOWED = ("minidist.model.GPTConfig",)  # what the stub itself imports
 RULES = _rules.Rules(apis={"minidist.model.GPT": (
     "exercise 01 works from the config alone: build no model (the grader builds them, to "
     "check your formula; at GPT-2 XL's size a real one takes 6 GB)")})

@@ -364,7 +364,7 @@ _YOURS = "the sharding is yours to write: no torch ZeRO, FSDP or DDP in exercise
 # minidist's modules for this exercise's idea: the learner's file may not name them
 # (exercises/_filecheck.py reads it before anything runs)
 IDEA_MODULES = ("minidist.zero",)
-IDEA_ALLOWED = ("minidist.zero.Unit",)  # what the stub itself hands out
+IDEA_ALLOWED = ("minidist.zero.Unit", "minidist.comm", "minidist.ddp.make_buckets")  # what the stub itself imports
 RULES = _rules.Rules(apis={"torch.distributed.optim.ZeroRedundancyOptimizer": _YOURS,
                            _rules.TORCH_DDP: _YOURS,
                            **{name: _YOURS for name in _rules.TORCH_FSDP}})

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.utils.checkpoint
 
 from exercises import _measure, _rules
 from exercises.grade import check
@@ -34,8 +35,15 @@ RULE = "torch.utils.checkpoint is the oracle here, not a building block: write t
 # minidist's modules for this exercise's idea: the learner's file may not name them
 # (exercises/_filecheck.py reads it before anything runs)
 IDEA_MODULES = ("minidist.recompute", "minidist.memory")
-RULES = _rules.Rules(apis={f"torch.utils.checkpoint.{name}": RULE for name in (
-    "checkpoint", "checkpoint_sequential", "_checkpoint_without_reentrant_generator")})
+RULES = _rules.Rules(apis={api: RULE for api in _rules.defined_in(torch.utils.checkpoint)})
+# read before anything runs: all of torch.utils.checkpoint (its Functions too), and the
+# ways to keep an activation where no tensor count sees it (bare storages, numpy, bytes)
+FILE_RULES = {"torch.utils.checkpoint": RULE}
+_HIDDEN = ("checkpoint keeps its activations as tensors, where the grader counts them: no bare "
+           "storages, numpy arrays, Python lists or bytes")
+FILE_ATTRS = {a: _HIDDEN for a in ("untyped_storage", "storage", "_typed_storage", "set_", "numpy",
+                                   "tolist", "tobytes", "frombuffer", "data_ptr", "UntypedStorage",
+                                   "TypedStorage", "from_file")}
 
 
 # tiered hints, gentlest first (python -m exercises.grade 09 --hint), by check function

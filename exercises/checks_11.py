@@ -96,24 +96,8 @@ class _IfImported(dict):
         found = list(super().items())
         for name, mod in list(sys.modules.items()):
             if mod is not None and (name == _PIPELINING or name.startswith(_PIPELINING + ".")):
-                found += [(api, _NO_TORCH_PP) for api in _defined_in(mod)]
+                found += [(api, _NO_TORCH_PP) for api in _rules.defined_in(mod)]
         return found
-
-
-def _defined_in(mod) -> list[str]:
-    """Dotted names of the functions and classes `mod` defines, and of their classes' own
-    methods (static and class methods included)."""
-    names = []
-    for name, obj in vars(mod).items():
-        if getattr(obj, "__module__", None) != mod.__name__:
-            continue
-        if isinstance(obj, type):
-            names.append(f"{mod.__name__}.{name}")
-            names += [f"{mod.__name__}.{name}.{m}" for m, f in vars(obj).items()
-                      if m != "__init__" and isinstance(f, (types.FunctionType, staticmethod, classmethod))]
-        elif isinstance(obj, types.FunctionType):
-            names.append(f"{mod.__name__}.{name}")
-    return names
 
 
 class _ForbiddenImports:

@@ -48,7 +48,7 @@ FILE_CHEATS = {
     # exercise: (appended source, the line's text, a phrase of the rule)
     "01": ("\nimport minidist.model as _m\n\ndef count_params(cfg, _G=getattr(_m, 'GPT')):\n"
            "    return sum(p.numel() for p in _G(cfg).parameters())\n",
-           "getattr(_m, 'GPT')", "minidist.model.GPT"),
+           "import minidist.model as _m", "answer key"),
     "02": ("\nfrom minidist import comm as _c\nall_reduce = _c.all_reduce\n",
            "from minidist import comm", "minidist.comm"),
     "02b": ("\nimport torch.distributed as _d\n_AR = _d.all_reduce\n\ndef all_reduce(t):\n"
@@ -58,7 +58,7 @@ FILE_CHEATS = {
     "06": ("\nfrom minidist.zero import ShardedOptimizer\n", "from minidist.zero import ShardedOptimizer",
            "minidist.zero"),
     "09": ("\nimport torch.utils.checkpoint as _cp\n\ndef checkpoint(fn, *a, _c=_cp.checkpoint):\n"
-           "    return _c(fn, *a, use_reentrant=False)\n", "_c=_cp.checkpoint", "torch.utils.checkpoint"),
+           "    return _c(fn, *a, use_reentrant=False)\n", "import torch.utils.checkpoint", "torch.utils.checkpoint"),
     "03": ("\nimport exercises.grade as _g\n_g._run = lambda c, impl, rules=None, limit_s=None: "
            "_g.CheckResult(c.name, True, c.points, c.points)\n", "import exercises.grade", "exercises"),
     "04": ("\nfrom exercises import _rules\n\ndef accumulate(*a, **k):\n    with _rules.exempt():\n"
@@ -86,6 +86,13 @@ FILE_CHEATS = {
     # code run around the grader's: dispatcher kernels, modes, processes
     "07b": ("\nimport torch.library\n", "import torch.library", "around or below the grader"),
     "01b": ("\nimport os\nos.system('true')\n", "os.system", "no processes started"),
+    # minidist's answer through another module that re-exports it
+    "05c": ("\nfrom minidist.train import LossScaler\n", "from minidist.train import LossScaler", "answer key"),
+    "08c": ("\nfrom minidist.train_gpt import checkpoint as _ck\n", "from minidist.train_gpt", "answer key"),
+    # torch's checkpointing by its other names, and activations kept outside tensors
+    "09c": ("\nfrom torch.utils.checkpoint import CheckpointFunction\n", "import CheckpointFunction",
+            "torch.utils.checkpoint"),
+    "09d": ("\nimport torch\n_keep = [torch.zeros(1).untyped_storage()]\n", "untyped_storage", "bare storages"),
     # the rendezvous store, through torch's own helpers
     "04b": ("\nfrom torch.distributed.elastic.utils.store import synchronize\n",
             "from torch.distributed.elastic", "rendezvous store"),
