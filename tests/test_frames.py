@@ -4,6 +4,7 @@ notebooks run top to bottom, and what the chapters and README name exists."""
 import ast
 import importlib
 import importlib.util
+import os
 import re
 import shlex
 
@@ -111,20 +112,47 @@ def test_named_commands_exist(doc):
             pytest.fail(f"{doc.name}: `{cmd}` has flags its program rejects ({e})")
 
 
-@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_runs_top_to_bottom(nb, monkeypatch):
+@pytest.fixture(scope="module")
+def notebook_runs():
+    """{notebook name: None, or the error of its run}: every notebook run top to bottom at
+    the quick size its parameters cell defines (the kernel inherits the environment; a
+    reader's run keeps the size it picks), each in its own kernel, two at a time: a run
+    spends much of its time waiting for kernels and ranks to start, so two share the
+    cores well. Nothing in a notebook asserts a timing."""
+    import concurrent.futures
     import nbformat
     from nbclient import NotebookClient
+
+    def run(nb):
+        try:
+            NotebookClient(nbformat.read(nb, as_version=4), timeout=600, kernel_name="python3",
+                           resources={"metadata": {"path": str(nb.parent)}}).execute()
+        except Exception as e:  # noqa: BLE001 - handed to the notebook's own test
+            return e
+        return None
+    quick = {"MINIDIST_NB_SIZE": "quick", "MINIDIST_QUICK": "1"}
+    before = {k: os.environ.get(k) for k in quick}
+    os.environ.update(quick)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            return dict(zip([nb.name for nb in NOTEBOOKS], pool.map(run, NOTEBOOKS)))
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_runs_top_to_bottom(nb, notebook_runs):
+    import nbformat
     book = nbformat.read(nb, as_version=4)
-    # One cell, tagged "parameters" as papermill has it, holds the sizes; the tests run
-    # the quick size it defines (the kernel inherits the environment), a reader's run
-    # keeps the size it picks
+    # One cell, tagged "parameters" as papermill has it, holds the sizes
     params = [c for c in book.cells if "parameters" in c.metadata.get("tags", [])]
     assert len(params) == 1 and "quick" in params[0].source.lower(), "one parameters cell with a quick size"
-    monkeypatch.setenv("MINIDIST_NB_SIZE", "quick")
-    monkeypatch.setenv("MINIDIST_QUICK", "1")
-    NotebookClient(book, timeout=600, kernel_name="python3",
-                   resources={"metadata": {"path": str(nb.parent)}}).execute()
+    if notebook_runs[nb.name] is not None:
+        raise notebook_runs[nb.name]
 
 
 # The floors of the house, bottom to top. A module imports minidist modules only from the
