@@ -11,10 +11,29 @@ from minidist import cost_model as cm
 from minidist.bench import collectives, zero
 from conftest import run
 
+# The five benchmarks that start processes, each as a user runs it (--quick); the tests
+# below read their outputs
+QUICK = {"collectives": [], "muon": ["--world-sizes", "2"], "zero": ["--world-sizes", "2"],
+         "tp": ["--world-sizes", "2"], "pp": []}
 
-def test_collectives_benchmark_quick(tmp_path):
-    r = run([sys.executable, "-m", "minidist.bench", "collectives", "--quick", "--out", str(tmp_path)],
-            timeout=300)
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    """{name: (its CompletedProcess, its --out folder)}: the QUICK benchmarks run two at a
+    time (each mostly waits for its ranks to start and meet, so two share 2 cores well;
+    none of these tests asserts a speed)."""
+    import concurrent.futures
+
+    def one(name):
+        out = tmp_path_factory.mktemp(name)
+        cmd = [sys.executable, "-m", "minidist.bench", name, "--quick", *QUICK[name], "--out", str(out)]
+        return name, (run(cmd, timeout=600), out)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return dict(pool.map(one, ["muon", "collectives", "zero", "tp", "pp"]))  # the longest first
+
+
+def test_collectives_benchmark_quick(bench):
+    r, tmp_path = bench["collectives"]
     assert r.returncode == 0, r.stderr
     result = json.loads((tmp_path / "collectives.json").read_text())
     ops = {row["op"] for row in result["rows"]}
@@ -54,9 +73,8 @@ def test_alpha_beta_fit_never_goes_negative():
     assert abs(fit["beta_s_per_byte"] - beta) / beta < 1e-9
 
 
-def test_muon_benchmark_quick(tmp_path):
-    r = run([sys.executable, "-m", "minidist.bench", "muon", "--quick", "--world-sizes", "2",
-             "--out", str(tmp_path)], timeout=600)
+def test_muon_benchmark_quick(bench):
+    r, tmp_path = bench["muon"]
     assert r.returncode == 0, r.stderr
     result = json.loads((tmp_path / "muon.json").read_text())
     assert all(row["ours_bf16_s"] > 0 and row["torch_bf16_s"] > 0 for row in result["newton_schulz"])
@@ -68,9 +86,8 @@ def test_muon_benchmark_quick(tmp_path):
     assert (tmp_path / "muon.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_zero_benchmark_quick(tmp_path):
-    r = run([sys.executable, "-m", "minidist.bench", "zero", "--quick", "--world-sizes", "2",
-             "--out", str(tmp_path)], timeout=600)
+def test_zero_benchmark_quick(bench):
+    r, tmp_path = bench["zero"]
     assert r.returncode == 0, r.stderr
     result = json.loads((tmp_path / "zero.json").read_text())
     run2 = result["runs"]["2"]
@@ -82,12 +99,11 @@ def test_zero_benchmark_quick(tmp_path):
     assert (tmp_path / "zero.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_tp_benchmark_quick(tmp_path):
+def test_tp_benchmark_quick(bench):
     """Chapter 10's benchmark, quick, 2 ranks: what it counts on the real run (bytes handed
     to collectives, parameter bytes, a block's saved activations) equals the closed forms
     at every layout, and the step times and torch's comparison are there."""
-    r = run([sys.executable, "-m", "minidist.bench", "tp", "--quick", "--world-sizes", "2",
-             "--out", str(tmp_path)], timeout=600)
+    r, tmp_path = bench["tp"]
     assert r.returncode == 0, r.stderr
     run2 = json.loads((tmp_path / "tp.json").read_text())["runs"]["2"]
     layouts = [k for k in run2 if k.startswith("tp ")]
@@ -117,13 +133,13 @@ def test_checksums_benchmark_quick():
         assert row[f"{k}_with_s"] > 0 and row[f"{k}_without_s"] > 0
 
 
-def test_pp_benchmark_quick(tmp_path):
+def test_pp_benchmark_quick(bench):
     """Chapter 11's benchmark, quick (p 2, m 1, 2, 4, both schedules): what it counts on the
     real run equals the formulas (micro-batches in flight per stage, m for GPipe and
     min(p - stage, m) for 1F1B; the bytes saved for backward, per micro-batch and at the
     peak); the bubble it measures is a share of the step; its formula column is
     (p-1)/(m+p-1). No time is asserted."""
-    r = run([sys.executable, "-m", "minidist.bench", "pp", "--quick", "--out", str(tmp_path)], timeout=300)
+    r, tmp_path = bench["pp"]
     assert r.returncode == 0, r.stderr
     result = json.loads((tmp_path / "pp.json").read_text())
     points = result["points"]
