@@ -301,6 +301,21 @@ def watching(rules: Rules | None):
             _STATE.watch, _STATE.rules = before
 
 
+@contextmanager
+def refusing(rules: Rules, suffix: str = ""):
+    """watching(rules) for a check that runs learner code in one process: a broken rule
+    fails the check (AssertionError naming it, + `suffix`), even when the learner's code
+    caught the RuleBroken; any other exception passes through."""
+    with watching(rules) as w:
+        try:
+            yield w
+        except Exception:
+            if not w.broken:
+                raise
+    if w.broken:
+        raise AssertionError(w.broken[0] + suffix)
+
+
 def scan_built(*objs) -> None:
     """scan() with the current part's watch and rules: called by parts on what the
     learner's code built."""

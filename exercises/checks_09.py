@@ -84,14 +84,8 @@ HINTS = {
 def _forbid_torch_checkpoint():
     """The learner's code runs here; a call of torch.utils.checkpoint fails the check,
     even when the solution catches the exception."""
-    with _rules.watching(RULES) as w:
-        try:
-            yield
-        except Exception:
-            if not w.broken:
-                raise
-    if w.broken:
-        raise AssertionError(w.broken[0])
+    with _rules.refusing(RULES):
+        yield
 
 
 def _model(dropout: float = 0.0) -> GPT:
