@@ -46,7 +46,6 @@ import copy
 import datetime
 import functools
 import sys
-import types
 from types import SimpleNamespace
 
 import torch
