@@ -90,7 +90,7 @@ it loads, and saving again must work. Grade your work with
 
 (about 7 s on a quiet 2-core machine: it starts 4, 2, 3 and 1 processes), and see what
 full marks look like with `python -m exercises.grade 08 --reference`, which grades
-minidist's own implementation (minidist/checkpoint.py, through the adapters named in
+minidist's own implementation (minidist/checkpoint/sharded.py, through the adapters named in
 REFERENCE below) instead of yours. A rank that waits more than 20 seconds for the
 others (a hang) fails its check.
 
@@ -190,7 +190,7 @@ def load(path, model, opt) -> int:
         "load is not written yet (`python -m exercises.grade 08 --hint` gives a hint)")
 
 
-# Where minidist implements each (minidist/checkpoint.py and minidist.zero.Unit.pieces,
+# Where minidist implements each (minidist/checkpoint/sharded.py and minidist.zero.Unit.pieces,
 # through thin adapters that give its save, load, Reader.read and pieces these signatures); `python -m exercises.grade
 # 08 --reference` grades these instead of the stubs above. Leave it as it is.
 REFERENCE = {

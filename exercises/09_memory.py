@@ -40,7 +40,7 @@ Grade your work with
     python -m exercises.grade 09
 
 and see what full marks look like with `python -m exercises.grade 09 --reference`, which
-grades minidist's own (minidist/recompute.py) instead of yours.
+grades minidist's own (minidist/memory/recompute.py) instead of yours.
 """
 
 from __future__ import annotations
@@ -58,4 +58,4 @@ def checkpoint(fn, x: torch.Tensor) -> torch.Tensor:
 
 # Where minidist implements it; `python -m exercises.grade 09 --reference` grades this
 # instead of the stub above. Leave it as it is.
-REFERENCE = {"checkpoint": "minidist.recompute:checkpoint"}
+REFERENCE = {"checkpoint": "minidist.memory.recompute:checkpoint"}

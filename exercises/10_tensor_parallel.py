@@ -225,7 +225,7 @@ def sequence_parallel_mlp(x: torch.Tensor, w_fc: torch.Tensor, w_proj: torch.Ten
 # Where minidist implements each; `python -m exercises.grade 10 --reference` grades these
 # instead of the stubs above. Leave it as it is. Each entry is a one-line adapter in the
 # grader (exercises/checks_10.py) that calls minidist.tensor_parallel's piece (and
-# minidist.tensor_parallel_gpt.ParallelMLP), giving it this exercise's signature.
+# minidist.tensor_parallel.gpt.ParallelMLP), giving it this exercise's signature.
 REFERENCE = {
     "copy_to_region": "exercises.checks_10:reference_copy_to_region",
     "reduce_from_region": "exercises.checks_10:reference_reduce_from_region",

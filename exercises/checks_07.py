@@ -44,7 +44,7 @@ from exercises.grade import check
 _ORACLE = "exercise 07 writes Newton-Schulz and Muon: torch's are the grader's oracles"
 # minidist's modules for this exercise's idea: the learner's file may not name them
 # (exercises/_filecheck.py reads it before anything runs)
-IDEA_MODULES = ("minidist.muon", "minidist.newton_schulz", "minidist.zero")
+IDEA_MODULES = ("minidist.muon", "minidist.muon.orthogonalize", "minidist.zero")
 IDEA_ALLOWED = ("minidist.muon.adjust_lr", "minidist.muon.newton_schulz")  # what the stub itself hands out
 RULES = _rules.Rules(apis={"torch.optim.Muon": _ORACLE,
                            "torch.optim._muon._zeropower_via_newtonschulz": _ORACLE})
@@ -52,8 +52,8 @@ RULES = _rules.Rules(apis={"torch.optim.Muon": _ORACLE,
 
 _PART_A = ("part (a) is yours to write: ns_reference (minidist's newton_schulz), handed out "
            "for parts (b) and (c), is not an answer to part (a)")
-PART_A_RULES = _rules.Rules(apis={"minidist.newton_schulz.newton_schulz": _PART_A,
-                                  "minidist.newton_schulz.newton_schulz_many": _PART_A})
+PART_A_RULES = _rules.Rules(apis={"minidist.muon.orthogonalize.newton_schulz": _PART_A,
+                                  "minidist.muon.orthogonalize.newton_schulz_many": _PART_A})
 
 
 @contextlib.contextmanager
@@ -61,7 +61,7 @@ def _own_newton_schulz(impl):
     """Part (a)'s checks run the learner's newton_schulz in here: minidist's trips (any
     alias of it: exercises/_rules.py swaps the function's code), and a check whose code
     called it fails, saying so. minidist's own, graded with --reference, is exempt."""
-    import minidist.newton_schulz as ns
+    import minidist.muon.orthogonalize as ns
     theirs = "newton_schulz" in getattr(impl, "learner_names", ()) or impl.newton_schulz is not ns.newton_schulz
     if not theirs:
         yield
@@ -846,7 +846,7 @@ def reference_muon_step_on_shards(param_shard, grad_shard, shapes, owners, momen
     import torch.distributed as dist
 
     from minidist.muon import adjust_lr
-    from minidist.newton_schulz import newton_schulz
+    from minidist.muon.orthogonalize import newton_schulz
     rank, n, S = dist.get_rank(group), dist.get_world_size(group), param_shard.numel()
     st = [0]
     for a, b in shapes:

@@ -74,7 +74,7 @@ _OWN_FORMAT = ("exercise 08 writes its own sharded checkpoint with torch.save an
                "not torch.distributed.checkpoint")
 # minidist's modules for this exercise's idea: the learner's file may not name them
 # (exercises/_filecheck.py reads it before anything runs)
-IDEA_MODULES = ("minidist.checkpoint", "minidist.checkpoint_io", "minidist.checkpoint_schema", "minidist.checkpoint_slots", "minidist.resume")
+IDEA_MODULES = ("minidist.checkpoint", "minidist.checkpoint.io", "minidist.checkpoint.schema", "minidist.checkpoint.slots", "minidist.checkpoint.resume")
 RULES = _rules.Rules(apis={f"torch.distributed.checkpoint.{name}": _OWN_FORMAT
                            for name in ("save", "load", "save_state_dict", "load_state_dict",
                                         "async_save")})

@@ -34,7 +34,7 @@ RULE = "torch.utils.checkpoint is the oracle here, not a building block: write t
 # function's code object)
 # minidist's modules for this exercise's idea: the learner's file may not name them
 # (exercises/_filecheck.py reads it before anything runs)
-IDEA_MODULES = ("minidist.recompute", "minidist.memory")
+IDEA_MODULES = ("minidist.memory.recompute", "minidist.memory")
 RULES = _rules.Rules(apis={api: RULE for api in _rules.defined_in(torch.utils.checkpoint)})
 # read before anything runs: all of torch.utils.checkpoint (its Functions too), and the
 # ways to keep an activation where no tensor count sees it (bare storages, numpy, bytes)

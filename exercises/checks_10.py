@@ -25,7 +25,7 @@ The rules are enforced twice (see LEARNER_RULES below):
   and styles, torch.distributed.nn.functional (its functions and its autograd Functions'
   forward), the functional collectives, collectives other than all-reduce, all-gather and
   reduce-scatter, and every function and class of minidist.tensor_parallel and
-  minidist.tensor_parallel_gpt. The last are lifted only for the reference adapters below,
+  minidist.tensor_parallel.gpt. The last are lifted only for the reference adapters below,
   recognised by identity, which learner code cannot reach without importing this module
   (the file check forbids it).
 """
@@ -44,8 +44,8 @@ import torch.distributed.nn.functional as _dist_nn_functional
 import torch.nn as nn
 import torch.nn.functional as F
 
-import minidist.tensor_parallel as _tp
-import minidist.tensor_parallel_gpt as _tp_gpt
+import minidist.tensor_parallel.layers as _tp
+import minidist.tensor_parallel.gpt as _tp_gpt
 from exercises import _harness as H
 from exercises import _traffic
 from exercises import _rules
@@ -66,7 +66,7 @@ _NO_TORCH_TP = ("exercise 10 writes the communication of tensor parallelism itse
                 "torch.distributed's collectives: no DTensor, parallelize_module or its "
                 "styles, no torch.distributed.nn.functional")
 _NO_MINIDIST = ("exercise 10 is yours to write: minidist.tensor_parallel and "
-                "minidist.tensor_parallel_gpt are its answer, not building blocks")
+                "minidist.tensor_parallel.gpt are its answer, not building blocks")
 _ALLOWED = ("allreduce", "allgather", "_allgather_base", "all_gather_single",
             "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single")
 
@@ -150,7 +150,7 @@ REFERENCE_RULES = _rules.Rules(allowed=_ALLOWED, collective_rule=_COLLECTIVE_RUL
 # tripwire, and would trip there outside the part's watch (as a crash, not a rule).
 # minidist's modules for this exercise's idea: the learner's file may not name them
 # (exercises/_filecheck.py reads it before anything runs)
-IDEA_MODULES = ("minidist.tensor_parallel", "minidist.tensor_parallel_gpt", "minidist.tensor_parallel_cost", "minidist.tensor_parallel_muon")
+IDEA_MODULES = ("minidist.tensor_parallel", "minidist.tensor_parallel.gpt", "minidist.tensor_parallel.cost", "minidist.compose.tp_muon")
 RULES = REFERENCE_RULES
 
 # What the learner's file may not name besides the shared rules (exercises/_filecheck.py:

@@ -32,7 +32,7 @@ large micro-batch counts first, where the steady state is longest.
 
 The rules are enforced twice (see LEARNER_RULES):
 - before anything runs, the learner's file is read (exercises/_filecheck.py): naming
-  minidist.pipeline, minidist.pipeline_measure or minidist.pipeline_compose, torch's
+  minidist.pipeline, minidist.pipeline.measure or minidist.compose.pipeline_sync, torch's
   torch.distributed.pipelining, a collective, the grader, or reaching modules by name at
   run time fails every check, naming the line;
 - while it runs: importing or calling torch.distributed.pipelining, calling any function
@@ -53,9 +53,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import minidist.pipeline as _pp
-import minidist.pipeline_compose as _pp_compose
-import minidist.pipeline_measure as _pp_measure
+import minidist.pipeline.schedules as _pp
+import minidist.compose.pipeline_sync as _pp_compose
+import minidist.pipeline.measure as _pp_measure
 from exercises import _harness as H
 from exercises import _rules
 from exercises.grade import check
@@ -76,8 +76,8 @@ HANG_HINT = ("On every link both stages must post the same messages in the same 
 
 _NO_TORCH_PP = ("exercise 11 writes the pipeline schedule itself: torch.distributed.pipelining "
                 "(its stages and schedules, under any name) is not yours to use")
-_NO_MINIDIST = ("exercise 11 is yours to write: minidist.pipeline, minidist.pipeline_measure "
-                "and minidist.pipeline_compose are its answer, not building blocks")
+_NO_MINIDIST = ("exercise 11 is yours to write: minidist.pipeline, minidist.pipeline.measure "
+                "and minidist.compose.pipeline_sync are its answer, not building blocks")
 _P2P_RULE = ("exercise 11 moves activations and gradients only by point-to-point messages "
              "between neighbouring stages, on the pipe's group run.group (the helpers' "
              "dist.batch_isend_irecv, or dist.isend/irecv/send/recv): no collectives")
@@ -126,7 +126,7 @@ REFERENCE_RULES = _rules.Rules(allowed=_ALLOWED, collective_rule=_P2P_RULE, apis
 RULES = REFERENCE_RULES
 # minidist's modules for this exercise's idea, and torch's: the learner's file may not
 # name them (exercises/_filecheck.py reads it before anything runs)
-IDEA_MODULES = ("minidist.pipeline", "minidist.pipeline_measure", "minidist.pipeline_compose")
+IDEA_MODULES = ("minidist.pipeline", "minidist.pipeline.measure", "minidist.compose.pipeline_sync")
 FILE_RULES = {_PIPELINING: _NO_TORCH_PP}
 
 

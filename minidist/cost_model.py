@@ -5,7 +5,7 @@
 Every closed-form formula of minidist lives here, once: the ring's bytes and messages
 (chapter 02, used by the collectives benchmark's fit), the ZeRO paper's memory (chapter
 06, used by the zero benchmark), Newton-Schulz FLOPs (chapter 07), step time at scale
-(chapter 08), and the bytes a step keeps (derived in chapter 09, minidist/memory.py, which
+(chapter 08), and the bytes a step keeps (derived in chapter 09, minidist/memory/estimate.py, which
 counts and measures them): one memory model from a laptop's step to 1024 GPUs.
 
 A step on N GPUs is predicted from three kinds of figures:
@@ -231,7 +231,7 @@ def ns_flops(m: int, n: int, steps: int = 5) -> int:
 
 # ------------------------------------------------------------ memory: one model, every size
 
-# What a step of minidist keeps, derived in minidist/memory.py's docstring (chapter 09)
+# What a step of minidist keeps, derived in minidist/memory/estimate.py's docstring (chapter 09)
 # and counted there by autograd's pack hook (tests/test_memory.py holds the count to these
 # formulas). memory.step_memory adds backward's transients to find the peak.
 ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes of autocast's dtype
@@ -239,7 +239,7 @@ ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes of autocast's dtype
 
 def block_activation_bytes(B: int, T: int, d: int, H: int, precision: str = "fp32",
                            checkpointed: bool = False, tp: int = 1, sequence_parallel: bool = False) -> int:
-    """Bytes one transformer block saves for backward (see minidist/memory.py), on one of
+    """Bytes one transformer block saves for backward (see minidist/memory/estimate.py), on one of
     `tp` tensor-parallel ranks (chapter 10): the residual stream and the LayerNorms' inputs,
     statistics and outputs (8d + 2ed + 16 per token) stay whole, the rest splits tp ways;
     sequence parallelism splits all of it. In fp32 this is tensor_parallel_cost's

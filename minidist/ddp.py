@@ -20,7 +20,7 @@ never asks which one it has:
 and clipping is built, the same way for all of them, from two more: grad_square_sum(weight)
 (the whole gradient's squared norm, the same on every rank of the sync's group) and
 scale_grads(coef) (this rank's gradients times coef), joined by clip_to_global_norm below.
-The dp x tp mesh (minidist/mesh.py) clips over tensor-parallel shards with the same two.
+The dp x tp mesh (minidist/compose/mesh.py) clips over tensor-parallel shards with the same two.
 
 `NaiveDDP` and `FlatDDP` present the first two functions that way (they do their
 all-reduce in finish_gradient_synchronization), `DDP` presents itself, and so do

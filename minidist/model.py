@@ -103,7 +103,7 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         # chapter 09: a function recompute(fn, x) that runs this block's forward keeping
-        # only x for backward (minidist.recompute.set_activation_checkpointing sets it)
+        # only x for backward (minidist.memory.recompute.set_activation_checkpointing sets it)
         self.recompute = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,13 +19,14 @@ import torch
 import torch.distributed as dist
 
 from minidist.ddp import DDP, FlatDDP, NaiveDDP
-from minidist.mesh import MeshSync
+from minidist.compose.mesh import MeshSync
 from minidist.muon import Muon, split_params
 from minidist.pipeline import pipeline_step
-from minidist.pipeline_compose import PipelineSync
+from minidist.compose.pipeline_sync import PipelineSync
 from minidist.scaler import LossScaler, autocast
-from minidist.tensor_parallel_muon import TensorParallelMuon, tensor_parallel_group
-from minidist.zero import ShardedOptimizer, muon_for_zero, muon_under_zero, zero_optimizer
+from minidist.compose.tp_muon import TensorParallelMuon, tensor_parallel_group
+from minidist.zero import ShardedOptimizer, zero_optimizer
+from minidist.compose.zero_muon import muon_for_zero, muon_under_zero
 
 
 def make_optimizers(model, args, group=None) -> list[torch.optim.Optimizer]:
@@ -36,7 +37,7 @@ def make_optimizers(model, args, group=None) -> list[torch.optim.Optimizer]:
     remembers its peak lr. `group`: the ranks ZeRO shards over and Muon deals its matrices
     over (chapter 10's mesh: the data-parallel group; all ranks by default). On a
     tensor-parallel model Muon orthogonalises the whole matrices its shards cut
-    (minidist/tensor_parallel_muon.py, gathered: the same arithmetic as one process)."""
+    (minidist/compose/tp_muon.py, gathered: the same arithmetic as one process)."""
     hidden, rest = split_params(model) if args.optimizer == "muon" else ([], list(model.parameters()))
     groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": args.weight_decay},
               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]

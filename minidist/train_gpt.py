@@ -28,19 +28,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from minidist import checkpoint, data, faults, metrics
+from minidist import checkpoint, data, metrics
+from minidist.checkpoint import faults
 from minidist.run import outputs
 from minidist.ddp import broadcast_module
-from minidist.mesh import make_mesh
+from minidist.compose.mesh import make_mesh
 from minidist.pipeline import Stage
-from minidist.pipeline_compose import pipeline_eval, pipeline_generate
-from minidist.tensor_parallel_gpt import parallelize
+from minidist.compose.pipeline_sync import pipeline_eval, pipeline_generate
+from minidist.tensor_parallel.gpt import parallelize
 from minidist.dist import OutDirInUse, acquire_lock, cleanup, init, release_lock
 from minidist.run.flags import agree_across_ranks, build_parser, make_scaler, parse_args, resolve_args, world_size_from_env
 from minidist.model import GPT, PRESETS, GPTConfig, config_num_params, flops_per_token
 from minidist.muon import check_routing
-from minidist.recompute import set_activation_checkpointing
-from minidist.faults import StopOnSignal, any_signal, is_collective_failure
+from minidist.memory.recompute import set_activation_checkpointing
+from minidist.checkpoint.faults import StopOnSignal, any_signal, is_collective_failure
 from minidist.train import (evaluate, finite_state, forward_backward, gradient_sync, lr_at, make_optimizers,
                             pipeline_forward_backward)
 

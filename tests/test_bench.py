@@ -122,7 +122,7 @@ def test_checksums_benchmark_quick():
     verified with and without the CRC-32s, and the real checksum function put back."""
     import argparse
 
-    from minidist import checkpoint_io
+    from minidist.checkpoint import io as checkpoint_io
     from minidist.bench import checksums
     real = checkpoint_io.checksum
     result = checksums.run(argparse.Namespace(quick=True))

@@ -1,5 +1,5 @@
 """Checkpoints of tensor- and pipeline-parallel runs (minidist.checkpoint,
-minidist.checkpoint_slots): saved by full name and flat element range, so a --tp 2
+minidist.checkpoint.slots): saved by full name and flat element range, so a --tp 2
 checkpoint resumes at --tp 1 (one process) and a --tp 1 one at --tp 2, at ZeRO stages 0, 1
 and 2 over the dp axis; a tp 2 x pp 2 one (each stage holding its own blocks, the first and
 the last the tied embedding) on one process, and a one-process one at dp 2 x pp 2, ZeRO-1.
@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 
 from minidist import checkpoint
-from minidist.checkpoint_slots import cut_runs, flat_runs
-from minidist.mesh import make_mesh
+from minidist.checkpoint.slots import cut_runs, flat_runs
+from minidist.compose.mesh import make_mesh
 from minidist.model import GPT, GPTConfig
 from minidist.pipeline import Stage
 from minidist.tensor_parallel import shard_of
-from minidist.tensor_parallel_gpt import parallelize
+from minidist.tensor_parallel.gpt import parallelize
 from minidist.train import forward_backward, gradient_sync, make_optimizers, pipeline_forward_backward
 
 # 61 tokens: vocabulary rows 31 / 30 at tp 2, so ZeRO cuts each tp rank's flat buffer at other

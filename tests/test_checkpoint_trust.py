@@ -1,4 +1,4 @@
-"""Checkpoint files are trusted only when whole (minidist.checkpoint, minidist.checkpoint_io):
+"""Checkpoint files are trusted only when whole (minidist.checkpoint, minidist.checkpoint.io):
 a meta.json that is valid JSON but not a checkpoint's, or whose sizes are absurd, is
 damaged, quickly and without allocating what it claims; a format downgrade cannot skip a
 checksum; a shard file from another checkpoint is damage; rotation deletes only what
@@ -18,9 +18,11 @@ import zlib
 import pytest
 import torch
 
-from minidist import checkpoint, checkpoint_io, checkpoint_schema
-from minidist.resume import find_resume
-from minidist.checkpoint_schema import to_json
+from minidist import checkpoint
+from minidist.checkpoint import io as checkpoint_io
+from minidist.checkpoint import schema as checkpoint_schema
+from minidist.checkpoint.resume import find_resume
+from minidist.checkpoint.schema import to_json
 from minidist.scaler import LossScaler
 
 

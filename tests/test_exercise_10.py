@@ -234,7 +234,7 @@ def test_importing_minidist_tensor_parallel_scores_zero_where_used(two_ranks):
     failed, messages = failed_checks(r, KEYS)
     assert failed == {"column", "mlp", "comm"}, messages
     for key in ("column", "mlp"):
-        assert "minidist.tensor_parallel.ColumnParallelLinear was called" in message_of(messages, KEYS, key)
+        assert "minidist.tensor_parallel.layers.ColumnParallelLinear was called" in message_of(messages, KEYS, key)
 
 
 def test_minidist_functions_under_the_stub_names_are_not_the_reference(two_ranks):
@@ -243,7 +243,7 @@ def test_minidist_functions_under_the_stub_names_are_not_the_reference(two_ranks
     r = _grade({**PLAIN, "copy_to_region": tp.copy_to_region, "reduce_from_region": tp.reduce_from_region})
     failed, messages = failed_checks(r, KEYS)
     assert failed == {"fg", "comm"}, messages
-    assert "minidist.tensor_parallel.copy_to_region was called" in message_of(messages, KEYS, "fg")
+    assert "minidist.tensor_parallel.layers.copy_to_region was called" in message_of(messages, KEYS, "fg")
     assert "scores 0" in message_of(messages, KEYS, "fg")
 
 
@@ -271,7 +271,7 @@ def test_dtensor_parallel_styles_score_zero_where_used(two_ranks):
 
 CHEATS = {
     "from minidist.tensor_parallel import copy_to_region\n": "minidist.tensor_parallel",
-    "import minidist.tensor_parallel_gpt as tpg\n": "minidist.tensor_parallel_gpt",
+    "import minidist.tensor_parallel.gpt as tpg\n": "minidist.tensor_parallel.gpt",
     "from minidist import tensor_parallel\n": "minidist.tensor_parallel",
     "from torch.distributed.tensor.parallel import parallelize_module\n": "torch.distributed.tensor",
     "import torch.distributed as dist\ny = dist.nn.functional.all_reduce\n": "torch.distributed.nn",

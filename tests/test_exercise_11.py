@@ -259,7 +259,7 @@ def test_minidist_pipeline_at_run_time_scores_zero_where_used(two_stages):
     r = _grade({**PLAIN, "draft_one_f_one_b": minidist_schedule})
     failed, messages = failed_checks(r, KEYS)
     assert failed == {"draft"}, messages
-    assert "minidist.pipeline.one_f_one_b was called" in message_of(messages, KEYS, "draft")
+    assert "minidist.pipeline.schedules.one_f_one_b was called" in message_of(messages, KEYS, "draft")
 
 
 def test_an_all_reduce_that_moves_activations_scores_zero(two_stages):
@@ -279,8 +279,8 @@ def test_messages_on_another_group_score_zero(two_stages):
 
 CHEATS = {
     "from minidist.pipeline import one_f_one_b as _ref\n": "minidist.pipeline",
-    "import minidist.pipeline_measure as pm\n": "minidist.pipeline_measure",
-    "from minidist import pipeline_compose\n": "minidist.pipeline_compose",
+    "import minidist.pipeline.measure as pm\n": "minidist.pipeline.measure",
+    "from minidist.compose import pipeline_sync\n": "minidist.compose.pipeline_sync",
     "from torch.distributed.pipelining import Schedule1F1B\n": "torch.distributed.pipelining",
     "_move = dist.all_reduce\n": "torch.distributed.all_reduce",
     "from exercises.checks_11 import reference_one_f_one_b\n": "exercises",

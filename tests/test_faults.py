@@ -1,7 +1,7 @@
 """Surviving faults (chapter 08): a rank SIGKILLed mid-run under torchrun --max-restarts
 comes back from the last checkpoint and ends exactly where the uninterrupted run ends;
 a kill while a checkpoint is being written leaves the previous one whole; and the debug
-mode of minidist.faults names the first collective on which ranks diverge, or the rank
+mode of minidist.checkpoint.faults names the first collective on which ranks diverge, or the rank
 that never arrives, within its timeout."""
 
 import json
@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from conftest import run
-from minidist import checkpoint, faults
+from minidist import checkpoint
+from minidist.checkpoint import faults
 from minidist.ddp import DDP
 from minidist.launch import launch
 from minidist.model import GPT, GPTConfig

@@ -464,7 +464,7 @@ def test_07a_minidists_newton_schulz_scores_0_in_part_a(how, tmp_path, monkeypat
     r = G.grade("07")
     assert r.points == 0 and len(r.checks) == 2
     for c in r.checks:
-        assert "minidist.newton_schulz.newton_schulz was called" in c.message and "part (a)" in c.message, c.message
+        assert "minidist.muon.orthogonalize.newton_schulz was called" in c.message and "part (a)" in c.message, c.message
 
 
 # ---------------------------------------------------------------- 10 and 11: on the grader's group

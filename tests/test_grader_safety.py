@@ -69,7 +69,7 @@ FILE_CHEATS = {
     "10": ("\nimport importlib\n_tp = importlib.import_module('minidist.tensor_parallel')\n",
            "import importlib", "importlib"),
     # code loaded by path or by name through modules outside the plain tools
-    "10b": ("\nimport runpy\n_tp = runpy.run_path('minidist/tensor_parallel.py')\n", "import runpy",
+    "10b": ("\nimport runpy\n_tp = runpy.run_path('minidist/tensor_parallel/layers.py')\n", "import runpy",
             "standard library's plain tools"),
     "03b": ("\nimport pkgutil\nBucketedDDP = pkgutil.resolve_name('minidist.ddp:DDP')\n", "import pkgutil",
             "standard library's plain tools"),

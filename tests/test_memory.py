@@ -11,9 +11,9 @@ import torch.distributed as dist
 import torch.utils.checkpoint as torch_checkpoint
 
 from minidist import memory as M
-from minidist import recompute
+from minidist.memory import recompute
 from minidist.model import GPT, GPTConfig
-from minidist.recompute import set_activation_checkpointing
+from minidist.memory.recompute import set_activation_checkpointing
 
 CFG = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.1)
 

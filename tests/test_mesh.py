@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minidist import mesh
+from minidist.compose import mesh
 
 
 def test_axis_groups_partition_the_world_along_each_axis():

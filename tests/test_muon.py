@@ -1,4 +1,4 @@
-"""Muon (minidist.muon, minidist.newton_schulz): Newton-Schulz against the SVD and its own
+"""Muon (minidist.muon, minidist.muon.orthogonalize): Newton-Schulz against the SVD and its own
 scalar polynomials (Keller Jordan's and the Polar Express schedule), batched against one by
 one, Muon against torch.optim.Muon, distributed Muon at 2, 3 and 4 ranks against one
 process, the parameter split and the routing check with each failure class it exists for,
@@ -11,7 +11,7 @@ import torch
 from minidist import train_gpt
 from minidist.model import GPT, GPTConfig
 from minidist.muon import NS_COEFFICIENTS, Muon, check_routing, newton_schulz, split_params
-from minidist.newton_schulz import POLAR_EXPRESS, POLAR_EXPRESS_MARGIN, newton_schulz_many
+from minidist.muon.orthogonalize import POLAR_EXPRESS, POLAR_EXPRESS_MARGIN, newton_schulz_many
 
 
 def _poly(s, steps, schedule=None):

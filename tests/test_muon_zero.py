@@ -1,4 +1,4 @@
-"""Muon under ZeRO stages 1, 2 and 3 (minidist/zero/muon.py): Muon+AdamW with AdamW's state
+"""Muon under ZeRO stages 1, 2 and 3 (minidist/compose/zero_muon.py): Muon+AdamW with AdamW's state
 and gradients in ZeRO's shards and Muon's matrices reduce-scattered to their owners equals
 one process's Muon+AdamW on the same global batch, at 2 and 3 ranks (3 does not divide the
 tiny GPT's 8 hidden matrices, of 4 shapes) and 4, with 1 and 2 micro-steps, clipping,
@@ -257,7 +257,8 @@ def _bytes_and_state():
 
 def _measure(N, sent):
     from minidist import comm
-    from minidist.zero import muon_for_zero, muon_under_zero, zero_optimizer
+    from minidist.compose.zero_muon import muon_for_zero, muon_under_zero
+    from minidist.zero import zero_optimizer
     out = {}
     for optimizer in ("adamw", "muon"):
         for stage in (1, 2, 3):
@@ -267,7 +268,7 @@ def _measure(N, sent):
             zero = zero_optimizer(model, [{"params": rest}], torch.optim.AdamW, stage,
                                   collectives="minidist", lr=1e-3, others=hidden)
             opts, sync = [zero], zero
-            if hidden:  # the public calls, the stage decided by `zero` (minidist/zero/muon.py)
+            if hidden:  # the public calls, the stage decided by `zero` (minidist/compose/zero_muon.py)
                 opts.append(muon_for_zero(zero, hidden))
                 sync = muon_under_zero(zero, opts[1])
             x = torch.randint(0, CFG["vocab_size"], (2, CFG["block_size"]))

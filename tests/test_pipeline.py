@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from minidist import pipeline as pl
-from minidist import pipeline_measure as pm
-from minidist.mesh import make_mesh
+from minidist.pipeline import measure as pm
+from minidist.compose.mesh import make_mesh
 from minidist.model import GPT, GPTConfig
 
 TOL = dict(rtol=1e-5, atol=1e-6)

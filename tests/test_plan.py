@@ -5,9 +5,10 @@ import itertools
 
 import pytest
 
-from minidist import plan as P
+from minidist.memory import plan as P
 from minidist.cost_model import MODELS
-from minidist.memory import GB, step_memory
+from minidist.cost_model import GB
+from minidist.memory import step_memory
 from minidist.model import GPTConfig, config_num_params
 
 
@@ -136,7 +137,7 @@ def test_plan_refuses_sizes_no_run_can_have(batch, seq_len, world, budget):
 
 
 def test_measuring_recomputation_refuses_a_model_this_machine_cannot_hold(capsys, monkeypatch):
-    import minidist.plan as P
+    import minidist.memory.plan as P
     monkeypatch.setattr(P, "_memory_here", lambda: 16e9)  # a 16 GB machine, whatever this one is
     with pytest.raises(SystemExit) as e:
         P.main(["--preset", "7B", "--measure-recompute", "1"])  # ~28 GB of fp32 weights alone

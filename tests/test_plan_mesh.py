@@ -1,4 +1,4 @@
-"""Chapter 11's planner (minidist/plan_mesh.py): its choice equals a search of every
+"""Chapter 11's planner (minidist/compose/plan_mesh.py): its choice equals a search of every
 configuration that weighs every pipeline stage; its memory and price are the course's
 formulas (chapters 08-11) on one rank of the mesh; its command line says what to change."""
 
@@ -6,14 +6,15 @@ import itertools
 
 import pytest
 
-from minidist import plan_mesh as PM
+from minidist.compose import plan_mesh as PM
 from minidist.cost_model import Hardware, block_activation_bytes, rank_params, step_time
-from minidist.memory import GB, step_memory
+from minidist.cost_model import GB
+from minidist.memory import step_memory
 from minidist.model import PRESETS, GPTConfig, config_num_params
 from minidist.pipeline import split_layers
-from minidist.pipeline_measure import stage_activation_bytes
-from minidist.plan import PlanError
-from minidist.tensor_parallel_cost import param_bytes, tp_block_activation_bytes
+from minidist.pipeline.measure import stage_activation_bytes
+from minidist.memory.plan import PlanError
+from minidist.tensor_parallel.cost import param_bytes, tp_block_activation_bytes
 
 
 def _brute_force(cfg, batch, T, world, budget_gb, precision="bf16", mesh=None):

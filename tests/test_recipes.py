@@ -1,6 +1,6 @@
 """--config FILE (chapter 11): every recipe in recipes/ parses and passes resolve_args at the
 world size it is written for, without running, and fits the memory of the machine it names
-by the planner's model (minidist.plan_mesh.peak_memory: an 80 GB GPU less the planner's
+by the planner's model (minidist.compose.plan_mesh.peak_memory: an 80 GB GPU less the planner's
 margin, or the CPU budget); the command line overrides a file; a bad key or value exits 2
 naming it."""
 
@@ -10,10 +10,10 @@ import pytest
 
 from minidist.data import get_tokenizer
 from minidist.run.flags import parse_args, resolve_args
-from minidist.memory import GB
+from minidist.cost_model import GB
 from minidist.model import PRESETS, GPTConfig
-from minidist.plan import CPU_BUDGET_GB, GPU_MARGIN
-from minidist.plan_mesh import peak_memory
+from minidist.memory.plan import CPU_BUDGET_GB, GPU_MARGIN
+from minidist.compose.plan_mesh import peak_memory
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 WORLD = {"cpu_default.toml": 2, "gpt2_124m_8gpu_zero1.toml": 8, "tp2_pp2_4gpu.toml": 4}

@@ -19,10 +19,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minidist import checkpoint, data, dist as mdist, faults
+from minidist import checkpoint, data, dist as mdist
+from minidist.checkpoint import faults
 from minidist.run import flags, outputs
 from minidist.run.flags import MAY_CHANGE_ON_RESUME, build_parser, resolve_args
-from minidist.resume import find_resume
+from minidist.checkpoint.resume import find_resume
 from minidist.launch import launch
 from minidist.model import GPT, GPTConfig
 

@@ -29,11 +29,11 @@ import torch.nn.functional as F
 
 from minidist import memory
 from minidist import tensor_parallel as tp
-from minidist import tensor_parallel_cost as tpc
-from minidist import tensor_parallel_gpt as tpg
+from minidist.tensor_parallel import cost as tpc
+from minidist.tensor_parallel import gpt as tpg
 from minidist.cost_model import SENT_FRACTION
 from minidist.model import GPT, GPTConfig
-from minidist.recompute import set_activation_checkpointing
+from minidist.memory.recompute import set_activation_checkpointing
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 B, T = 2, 12  # T divides by 2, 3 and 4: sequence parallelism at every tp tested

@@ -1,4 +1,4 @@
-"""Chapter 10: Muon on tensor-parallel matrices (minidist/tensor_parallel_muon.py) against
+"""Chapter 10: Muon on tensor-parallel matrices (minidist/compose/tp_muon.py) against
 one-process Muon (minidist.muon.Muon on the full model, the same gradients). At tp 2 and 4,
 and dp 2 x tp 2 (Muon's owners over the dp group): gathering each matrix (a) and
 Newton-Schulz on the shards (b) equal one process; each shard orthogonalised alone does
@@ -34,12 +34,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minidist import tensor_parallel_muon as tpm
-from minidist.mesh import make_mesh
+from minidist.compose import tp_muon as tpm
+from minidist.compose.mesh import make_mesh
 from minidist.model import GPT, GPTConfig
 from minidist.muon import Muon, split_params
 from minidist.tensor_parallel import shard_of
-from minidist.tensor_parallel_gpt import parallelize, shard_spec
+from minidist.tensor_parallel.gpt import parallelize, shard_spec
 
 CFG = dict(n_layer=2, n_head=4, n_embd=64, block_size=16, vocab_size=64)
 STEPS, LR = 3, 0.02  # three steps: the momentum carries the earlier gradients into the later updates

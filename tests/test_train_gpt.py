@@ -26,7 +26,7 @@ _REFERENCE = {}
 # the dp x tp mesh (chapter 10): tp 2 alone; dp 2 x tp 2 with sequence parallelism, ZeRO-1
 # over the dp ranks and two micro-steps; dp 2 x tp 2 with ZeRO-2 and the flat all-reduce's
 # sibling, bucketed DDP, replaced by ZeRO's reduce-scatters (these three with AdamW, against
-# AdamW's oracle); and tp 2 with Muon (minidist/tensor_parallel_muon.py, each matrix gathered
+# AdamW's oracle); and tp 2 with Muon (minidist/compose/tp_muon.py, each matrix gathered
 # and orthogonalised whole) against the one-process Muon oracle, "one"
 TP = {"tp-2": ["--tp", "2"], "tp-2-sp-zero-1": ["--tp", "2", "--sequence-parallel", "--zero-stage", "1"],
       "tp-2-zero-2": ["--tp", "2", "--zero-stage", "2"], "tp-2-muon": ["--tp", "2", "--optimizer", "muon"]}
@@ -41,7 +41,7 @@ PP = {"pp-2-1f1b": ["--pp", "2", "--pp-schedule", "1f1b"],
       "pp-2-gpipe-dp-2": ["--pp", "2", "--pp-schedule", "gpipe", "--zero-stage", "1", "--grad-clip", "0.05"],
       "tp-2-pp-2-sp": ["--tp", "2", "--pp", "2", "--sequence-parallel", "--pp-schedule", "1f1b",
                        "--activation-checkpointing", "blocks"],
-      # the planner's auto flags on the mesh given (minidist.plan_mesh.resolve_auto)
+      # the planner's auto flags on the mesh given (minidist.compose.plan_mesh.resolve_auto)
       "pp-2-auto": ["--pp", "2", "--zero-stage", "auto", "--activation-checkpointing", "auto"]}
 
 
@@ -185,7 +185,7 @@ def _pipeline_passes():
     import torch
     from minidist.model import GPT, GPTConfig
     from minidist.pipeline import Stage, pipeline_step
-    from minidist.pipeline_compose import pipeline_eval, pipeline_generate
+    from minidist.compose.pipeline_sync import pipeline_eval, pipeline_generate
     from minidist.scaler import LossScaler
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16))

@@ -5,7 +5,7 @@ checksums --quick` (tests/test_bench.py).
 Save and load time with and without the CRC-32s, on train_gpt's CPU model (the tiny
 preset, vocabulary 2048) and on the small preset, one process, AdamW state included, best
 of 9 (--quick: the tiny preset, one of each). "Without" replaces
-minidist.checkpoint_io.checksum by a function that returns 0, so the same code path runs
+minidist.checkpoint.io.checksum by a function that returns 0, so the same code path runs
 minus the CRC-32s. Each figure is in CPU seconds of this process; the files go to a
 temporary folder (on most machines the page cache): this measures the CPU cost, which is
 what the checksums add, not the disk's speed.
@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from minidist import checkpoint, checkpoint_io
+from minidist import checkpoint
+from minidist.checkpoint import io as checkpoint_io
 from minidist.bench import timing
 from minidist.model import GPT, PRESETS, GPTConfig
 

@@ -4,7 +4,7 @@ on recorded timelines and counted, against their formulas. Chapter 11
 (tests/test_bench.py).
 
 At p = 2 and 4 stages (one process each) and m = 1..16 micro-batches, both schedules
-(GPipe, 1F1B), every stage records its step (minidist.pipeline_measure.StepRecord):
+(GPipe, 1F1B), every stage records its step (minidist.pipeline.measure.StepRecord):
 
 - the bubble: the share of p x the step's time in which no stage ran a forward or a
   backward, from the recorded timelines (bubble_fraction), against (p-1)/(m+p-1), as the
@@ -54,7 +54,7 @@ from minidist.bench.timing import interleaved
 from minidist.launch import launch
 from minidist.model import GPT, GPTConfig
 from minidist.pipeline import Stage, pipeline_step, split_layers
-from minidist.pipeline_measure import (StepRecord, bubble_fraction, bubble_formula, in_flight,
+from minidist.pipeline.measure import (StepRecord, bubble_fraction, bubble_formula, in_flight,
                                        in_flight_formula, stage_activation_bytes)
 
 SCHEDULES = ("gpipe", "1f1b")

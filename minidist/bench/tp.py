@@ -34,10 +34,10 @@ from minidist.bench.timing import interleaved
 from minidist.cost_model import SENT_FRACTION
 from minidist.launch import launch
 from minidist.memory import count_saved_bytes
-from minidist.mesh import make_mesh
+from minidist.compose.mesh import make_mesh
 from minidist.model import GPT, GPTConfig
-from minidist.tensor_parallel_cost import comm_bytes, param_bytes, tp_block_activation_bytes, tp_step_time
-from minidist.tensor_parallel_gpt import ParallelMLP, parallelize
+from minidist.tensor_parallel.cost import comm_bytes, param_bytes, tp_block_activation_bytes, tp_step_time
+from minidist.tensor_parallel.gpt import ParallelMLP, parallelize
 from minidist.train import forward_backward, gradient_sync
 
 COUNTED = {"all_reduce": 0, "all_gather_single": 0, "reduce_scatter_single": 1}  # name -> tensor arg

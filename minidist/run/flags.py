@@ -16,17 +16,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from minidist import data, faults
+from minidist import data
+from minidist.checkpoint import faults
 from minidist.run import outputs
 from minidist.run.flag_checks import check_pipeline, check_tensor_parallel, config_argv
 from minidist.run.flag_types import (below_one, folder_name, int_or_auto, loss_scale, mib, nonneg_float,
                                      nonneg_int, or_auto, positive_float, positive_int, seed_int, up_to_one)
 from minidist.dist import default_timeout_s, env_device, env_world_size, in_use_message, lock_holder
 from minidist.model import PRESETS, GPTConfig
-from minidist import plan_mesh
-from minidist.plan import PlanError, resolve_auto
+from minidist.compose import plan_mesh
+from minidist.memory.plan import PlanError, resolve_auto
 from minidist.scaler import LossScaler
-from minidist.resume import resume_from
+from minidist.checkpoint.resume import resume_from
 
 # What "auto" means on each kind of device: a run that fits the machine.
 AUTO = {
@@ -82,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--zero-stage", type=int_or_auto, default=0, choices=[0, 1, 2, 3, "auto"],
       help="ZeRO: 1 shards AdamW's state over ranks, 2 also the gradients (reduce-scattered "
            "during backward), 3 also the parameters (gathered per block, prefetched); 0 is "
-           "plain data parallelism (--dp); auto: the planner picks (chapter 09, minidist/plan.py)")
+           "plain data parallelism (--dp); auto: the planner picks (chapter 09, minidist/memory/plan.py)")
     a("--tp", type=positive_int, default=1,
       help="tensor parallelism (chapter 10): every layer split over this many ranks; the world "
            "is dp x tp (x pp), data parallelism (and ZeRO 1-2) over the dp ranks")
@@ -98,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
            "auto: the planner picks")
     a("--activation-checkpointing", default="none", choices=["none", "blocks", "auto"],
       help="blocks: keep only each transformer block's input and recompute the block in "
-           "backward (minidist/recompute.py); auto: the planner decides")
+           "backward (minidist/memory/recompute.py); auto: the planner decides")
     a("--memory-budget-gb", type=positive_float,
       help="per rank, for the auto flags (default: the GPU's memory less 10%%; on CPU 4)")
     a("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],

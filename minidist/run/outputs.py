@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from minidist.checkpoint_schema import finite_or_none, to_json  # noqa: F401 (strict JSON, as meta.json)
+from minidist.checkpoint.schema import finite_or_none, to_json  # noqa: F401 (strict JSON, as meta.json)
 
 
 def plot_losses(rows, path) -> None:

@@ -15,11 +15,8 @@ Read in this order:
                 its units are buckets, as DDP's
     stage3.py   FullyShardedOptimizer: ZeRO-3 (also parameters, gathered per block);
                 its units are the transformer blocks and the root
-    muon.py     Muon beside the shards (chapter 07): MuonUnderZero at stages 1-2, gradients
-                reduce-scattered to each matrix's owner; at stage 3 MuonUnderZero3 and
-                ShardedMuon, updates sent to the shards' holders; muon_for_zero and
-                muon_under_zero pick them
-and zero_optimizer below, the one entry point for all three stages. Each stage's
+(Muon beside the shards joins two ideas: minidist/compose/zero_muon.py.)
+And zero_optimizer below, the one entry point for all three stages. Each stage's
 constructor builds its own units, then hands them to ZeroBase. `bucket_cap_mb` means what
 it means for DDP at every stage (minidist.ddp.make_buckets: about that many MiB per unit,
 0 one unit per parameter, None no cap); at stage 3 it cuts a block larger than the cap.
@@ -30,12 +27,10 @@ from __future__ import annotations
 import torch.nn as nn
 
 from minidist.zero.layout import Unit
-from minidist.zero.muon import MuonUnderZero, MuonUnderZero3, ShardedMuon, muon_for_zero, muon_under_zero
 from minidist.zero.stage12 import ShardedOptimizer
 from minidist.zero.stage3 import FullyShardedOptimizer
 
-__all__ = ["ShardedOptimizer", "FullyShardedOptimizer", "zero_optimizer", "MuonUnderZero", "MuonUnderZero3",
-           "ShardedMuon", "muon_for_zero", "muon_under_zero", "Unit"]
+__all__ = ["ShardedOptimizer", "FullyShardedOptimizer", "zero_optimizer", "Unit"]
 
 
 def zero_optimizer(model: nn.Module, param_groups, optimizer_class, stage: int, **kwargs):

@@ -33,7 +33,7 @@ class ZeroBase:
     """The shared part of ShardedOptimizer (stages 1, 2) and FullyShardedOptimizer (stage 3);
     see the module docstring. A stage's constructor calls ZeroBase.__init__ with its units
     built, and registers _on_grad on the parameters whose gradients it reduces itself.
-    `shards_parameters` answers "is it stage 3?" for everyone (minidist/zero/muon.py too):
+    `shards_parameters` answers "is it stage 3?" for everyone (minidist/compose/zero_muon.py too):
     whether parameters are whole on every rank at rest (stages 1, 2) or only shards."""
 
     shards_parameters = False  # FullyShardedOptimizer: True

@@ -52,7 +52,7 @@ class FullyShardedOptimizer(ZeroBase):
     never cut). The module is used as it is: hooks on it gather and free parameters around
     every forward. `prefetch=False` gathers each block only when it is needed (to measure
     what prefetch gains). `others`: parameters another optimizer updates from the shards
-    (Muon's matrices: ShardedMuon, minidist/zero/muon.py), sharded and gathered here in units of their
+    (Muon's matrices: ShardedMuon, minidist/compose/zero_muon.py), sharded and gathered here in units of their
     own, their gradients left alone. The optimizer API is ShardedOptimizer's: step(), zero_grad(),
     param_groups, no_sync() (a no-op: every micro-step reduce-scatters),
     finish_gradient_synchronization(), clip_grad_norm_(), memory_bytes()."""

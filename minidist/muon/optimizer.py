@@ -9,7 +9,7 @@ Muon (Jordan et al., 2024) updates each hidden weight matrix W with the momentum
 gradient made orthogonal: M = U S V^T becomes (nearly) U V^T, every singular value set
 to about 1, so the step moves W the same distance along every direction the gradient
 points in, instead of mostly along the few with large singular values. The
-orthogonalisation is minidist/newton_schulz.py's few matrix products.
+orthogonalisation is minidist/muon/orthogonalize.py's few matrix products.
 
 Distributed: every rank holds the same averaged gradients (data parallelism), so every
 rank could orthogonalise every matrix, N times the same work. Instead each matrix has an
@@ -22,7 +22,7 @@ size. Two forms of that step, the plain one first:
 - `Muon.step()`, what training uses: the same arithmetic, rounds packed in buckets of about
   4 MB ("packing" below), each bucket's all-gather overlapping the next one's Newton-Schulz.
 Under ZeRO the gradients reach the owners by a reduce-scatter instead of DDP's all-reduce,
-and at stage 3 the updates go only to the shards' holders: minidist/zero/muon.py.
+and at stage 3 the updates go only to the shards' holders: minidist/compose/zero_muon.py.
 
 Which parameters belong to Muon is decided once (split_params) and checked after the
 first step (check_routing): a wrong routing trains silently with the wrong optimizer.
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from minidist.newton_schulz import NS_COEFFICIENTS, newton_schulz, newton_schulz_many, schedule
+from minidist.muon.orthogonalize import NS_COEFFICIENTS, newton_schulz, newton_schulz_many, schedule
 
 __all__ = ["NS_COEFFICIENTS", "newton_schulz", "adjust_lr", "Muon", "RoundBucket", "plan_buckets",
            "hidden_matrices", "split_params", "check_routing"]
@@ -193,7 +193,7 @@ class Muon(torch.optim.Optimizer):
     def step(self, closure=None):
         """As step_round_by_round(), rounds in buckets whose all-gathers overlap the next
         bucket's Newton-Schulz. Under ZeRO the gradients must be at their owners first
-        (the gradient sync's finish_gradient_synchronization(): minidist/zero/muon.py)."""
+        (the gradient sync's finish_gradient_synchronization(): minidist/compose/zero_muon.py)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -9,7 +9,7 @@ settings, not past the run's end, and not mixed into another run's folder. Chapt
 
 A restarted job (torchrun --max-restarts) runs the same command again: with `--resume auto`
 it must find the newest checkpoint it can trust, skip (with one line) one that a kill left
-damaged, and start fresh when there is none yet. minidist/checkpoint.py writes and reads
+damaged, and start fresh when there is none yet. minidist/checkpoint/sharded.py writes and reads
 the checkpoints; this module only decides which one to read.
 """
 
@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from minidist import checkpoint
+from minidist.checkpoint import sharded as checkpoint
 from minidist.model import PRESETS
 
 

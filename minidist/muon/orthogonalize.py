@@ -3,7 +3,7 @@ same-shaped matrices at once, with two coefficient choices. Chapter 07
 (chapters/07_muon.md), section 2. Exercised by:
 
     pytest tests/test_muon.py
-    python -m minidist.newton_schulz      # the singular-value band and the batched speedup
+    python -m minidist.muon.orthogonalize      # the singular-value band and the batched speedup
 
 An odd polynomial step X <- a X + b (X X^T) X + c (X X^T)^2 X acts on each singular value
 s of X as p(s) = a s + b s^3 + c s^5 and leaves the singular vectors alone, so a few steps

@@ -1,7 +1,7 @@
 """The planner: the ZeRO stage, micro-steps and recomputation that fit a memory budget, at
 the least communication and recomputation. Chapter 09 (chapters/09_memory.md). Exercised by
 
-    python -m minidist.plan --preset gpt2 --world-size 8 --budget-gb 80
+    python -m minidist.memory.plan --preset gpt2 --world-size 8 --budget-gb 80
     python minidist/train_gpt.py --steps 20 --zero-stage auto --grad-accum-steps auto --activation-checkpointing auto
     pytest tests/test_plan.py
 
@@ -36,9 +36,9 @@ import torch
 from torch.utils.benchmark import timer as clock  # waits for the GPU's queue
 
 from minidist.cost_model import MODELS, STRATEGIES, comm_volume
-from minidist.memory import GB, step_memory
+from minidist.memory.estimate import GB, step_memory
 from minidist.model import GPT, PRESETS, GPTConfig, config_num_params, flops_per_token
-from minidist.recompute import set_activation_checkpointing
+from minidist.memory.recompute import set_activation_checkpointing
 
 CPU_BUDGET_GB = 4.0  # per rank on a CPU, where nothing tells us what a process may use
 GPU_MARGIN = 0.10    # of a GPU's memory left out: CUDA context, allocator cache, NCCL buffers
@@ -178,7 +178,7 @@ def model_of(args, vocab_size: int) -> GPTConfig:
 def resolve_auto(args, world: int, vocab_size: int) -> str | None:
     """train_gpt's `auto` flags (--zero-stage, --grad-accum-steps, --activation-checkpointing)
     filled in by the planner; returns its line of reasoning (None when nothing was auto).
-    With --tp or --pp, minidist.plan_mesh.resolve_auto plans on that mesh instead."""
+    With --tp or --pp, minidist.compose.plan_mesh.resolve_auto plans on that mesh instead."""
     if not any(getattr(args, a) == "auto" for a in AUTO_FLAGS):
         return None
     cfg = model_of(args, vocab_size)

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minidist.model import GPT
-from minidist.pipeline_measure import Event, StepRecord, count_saved_bytes
+from minidist.pipeline.measure import Event, StepRecord, count_saved_bytes
 
 
 def split_layers(n_layer: int, pp: int) -> list[range]:
@@ -185,7 +185,7 @@ def exchange(group, sends=(), recvs=()) -> None:
 class _Run:
     """One step on one stage: its micro-batches, what each forward keeps for its backward
     (the received input, the output, the gradient that comes back), and, when `record`
-    is given, the timeline and the bytes saved for backward (minidist.pipeline_measure)."""
+    is given, the timeline and the bytes saved for backward (minidist.pipeline.measure)."""
 
     def __init__(self, stage: Stage, micro_batches, scale: float, record: StepRecord | None, amp=nullcontext):
         self.s, self.mbs, self.scale, self.record, self.amp = stage, micro_batches, scale, record, amp

@@ -1,7 +1,7 @@
 """What a pipeline step is measured with: its timeline, its bubble and its in-flight
 activations, each beside the formula it is checked against.
 
-Chapter 11 (chapters/11_pipeline.md). minidist/pipeline.py fills a `StepRecord` while a
+Chapter 11 (chapters/11_pipeline.md). minidist/pipeline/schedules.py fills a `StepRecord` while a
 step runs (`pipeline_step(..., record=StepRecord())`); the functions here read it.
 Exercised by `pytest tests/test_pipeline.py`.
 

@@ -16,7 +16,7 @@ This file holds the pieces, top to bottom:
    and the replicated parameters that sequence parallelism applies to a rank's positions
    only (used_on_positions, LayerNorm);
 3. random numbers: which dropout draws the same mask on every rank, which its own.
-minidist/tensor_parallel_gpt.py builds the GPT's split from them (`parallelize`), and
+minidist/tensor_parallel/gpt.py builds the GPT's split from them (`parallelize`), and
 holds the closed forms (bytes, parameters, activations).
 
 Sequence parallelism (Korthikanti et al. 2022): between the split layers the residual

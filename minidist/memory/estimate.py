@@ -1,6 +1,6 @@
 """Where memory goes in a training step: activations counted and derived, a model of the
 whole step per rank, and a measurement of its peak. Chapter 09 (chapters/09_memory.md).
-Exercised by `python -m minidist.plan --preset gpt2 --world-size 8 --budget-gb 80` and
+Exercised by `python -m minidist.memory.plan --preset gpt2 --world-size 8 --budget-gb 80` and
 `pytest tests/test_memory.py`.
 
 Activations, derived for minidist.model's GPT (pre-norm blocks, SDPA attention, no
@@ -93,13 +93,13 @@ def step_memory(cfg: GPTConfig, micro_batch: int, seq_len: int, world: int = 1, 
     the start of backward (every activation alive, the loss's gradient just made) and the
     end of backward (gradients complete).
 
-    On a dp x tp x pp mesh (chapters 10 and 11; minidist.plan_mesh), `world` is the dp
+    On a dp x tp x pp mesh (chapters 10 and 11; minidist.compose.plan_mesh), `world` is the dp
     group ZeRO shards over, and the rank holds `tp`'s slice of `blocks` blocks (default
     all), the embeddings if `first`, the final norm and head if `last` (a pipeline stage
     unless both), and the activations of `in_flight` micro-batches at once
-    (minidist.pipeline_measure.in_flight_formula; the result's "in_flight" is gradient
+    (minidist.pipeline.measure.in_flight_formula; the result's "in_flight" is gradient
     buffers, as without a mesh). A pipeline stage averages its gradients in one flat buffer
-    after the step (minidist.pipeline_compose): ZeRO 0 or 1 only."""
+    after the step (minidist.compose.pipeline_sync): ZeRO 0 or 1 only."""
     pipelined = not (first and last)
     if stage == 3 and (tp > 1 or pipelined) or stage == 2 and pipelined:
         raise ValueError(f"ZeRO-{stage} is not built with tensor or pipeline parallelism")

@@ -17,7 +17,7 @@ each round's slot, the gradient of the matrix rank r owns. A reduce-scatter that
 then leaves every rank exactly its own matrices' averaged gradients: the bytes of ZeRO's
 reduce-scatter, Psi_muon (N - 1) / N. The other ranks' copies are freed at once (at stage 1
 too: nothing needs them). The owner computes momentum and Newton-Schulz, and Muon's own
-all-gather per bucket of rounds hands every rank the updates (minidist/muon.py): Psi_muon
+all-gather per bucket of rounds hands every rank the updates (minidist/muon/optimizer.py): Psi_muon
 (N - 1) / N more, so 2 Psi (N - 1) / N in all, as AdamW under ZeRO. (The updates travel in
 Muon's Newton-Schulz precision, bf16 by default: half the bytes of an fp32 all-gather.)
 
@@ -203,7 +203,7 @@ class MuonUnderZero3(MuonUnderZero):
             raise ValueError("MuonUnderZero3 is for ZeRO stage 3; at stages 1-2 use MuonUnderZero")
         if not isinstance(muon, ShardedMuon):
             raise TypeError("at ZeRO stage 3 Muon must be a ShardedMuon: build it with "
-                            "minidist.zero.muon_for_zero(zero, params, ...)")
+                            "minidist.compose.zero_muon.muon_for_zero(zero, params, ...)")
         self.items = muon.matrices()
         self.zero, self.muon = zero, muon
         self.rank, world = muon.rank_and_world()

@@ -1,5 +1,5 @@
 """Checkpoint files: the format on disk, checksums, the schema, reading, and finding the
-damage. Chapter 08 (chapters/08_at_scale.md); minidist/checkpoint.py decides what each
+damage. Chapter 08 (chapters/08_at_scale.md); minidist/checkpoint/sharded.py decides what each
 rank saves and loads, this module how it lies on disk. Exercised by:
 
     python -m minidist.checkpoint out/checkpoints      # each checkpoint: intact, or damaged and where
@@ -20,7 +20,7 @@ recompute it); that would need a cryptographic hash, which is slower.
 Trusted only when whole: a checkpoint is read only after its meta.json fits the schema,
 every shard file is there, fits its own schema and is bound to this checkpoint (its
 identity, format 3), and its pieces cover each tensor exactly once; what that means, and
-why: minidist/checkpoint_schema.py. Anything else is damaged, and said so.
+why: minidist/checkpoint/schema.py. Anything else is damaged, and said so.
 
 Rotation (prune) deletes only what save() wrote: folders named exactly step_SSSSSSSS with
 minidist's marker in their meta.json, never the checkpoint just saved.
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from minidist.checkpoint_schema import (FORMAT, MARKER, MAX_META_BYTES, SHARD_NAME,  # noqa: F401
+from minidist.checkpoint.schema import (FORMAT, MARKER, MAX_META_BYTES, SHARD_NAME,  # noqa: F401
                                         checkpoint_step, coverage_problem, meta_problem, seal,
                                         shard_name, shard_problem, shorten, written_by_minidist, to_json)
 

@@ -17,7 +17,7 @@ parameter's name ("model/blocks.0.attn.c_attn.weight") or one of its optimizer s
 ("optim0/blocks.0.attn.c_attn.weight/exp_avg"), always the full model's tensor. Resuming
 on M ranks, each rank works out which elements of which keys it now holds, and copies
 them from whichever pieces overlap them, whatever N, ZeRO stage and --tp wrote them
-(a slice by columns is a run of elements per row: minidist/checkpoint_slots.py, what a
+(a slice by columns is a run of elements per row: minidist/checkpoint/slots.py, what a
 rank holds and who writes it). The files are memory-mapped, so a rank reads only the
 bytes it needs.
 
@@ -29,7 +29,7 @@ Exact resume also needs the step (the data and the learning-rate schedule are fu
 of it), the loss scaler, each rank's RNG state, and the caller's `extra` (train_gpt: its
 settings and its log rows). Checksums of every piece and of meta.json, the identity that
 binds each file to its checkpoint, the schema meta.json must fit, the files' format and
-reading them: minidist/checkpoint_io.py.
+reading them: minidist/checkpoint/io.py.
 
 Only good states are kept. A run that diverged holds NaN or inf weights (or optimizer
 state, or loss scale); saved, that checkpoint would be the newest, and rotation would
@@ -52,13 +52,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from minidist.checkpoint_io import (FORMAT, JUNK, MARKER, CheckpointError,  # noqa: F401 (also ours)
+from minidist.checkpoint.io import (FORMAT, JUNK, MARKER, CheckpointError,  # noqa: F401 (also ours)
                                     CheckpointPastEndError, Reader, atomic_write, check_step, fsync,
                                     latest, list_checkpoints, main, prune, read_meta, shard_checksums,
                                     shard_name, verify, why_failed, write_meta, written_by_minidist)
-from minidist.checkpoint_slots import Layout, PieceIndex
+from minidist.checkpoint.slots import Layout, PieceIndex
 from minidist.dist import barrier_or_failure, rank_and_world
-from minidist.faults import inject_fault
+from minidist.checkpoint.faults import inject_fault
 
 # ---- saving ------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from minidist.cost_model import MESSAGES, SENT_FRACTION, Hardware, link
 from minidist.model import flops_per_token
-from minidist.tensor_parallel import shard_range
+from minidist.tensor_parallel.layers import shard_range
 
 
 def comm_bytes(cfg, B: int, T: int, tp: int, sequence_parallel: bool = False,

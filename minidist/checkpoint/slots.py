@@ -1,6 +1,6 @@
 """What a rank holds of a checkpoint's tensors, and which rank writes each piece.
 Chapter 08 (chapters/08_at_scale.md), with chapter 10's tensor-parallel shards
-(chapters/10_tensor_parallel.md); minidist/checkpoint.py saves and loads what this lists.
+(chapters/10_tensor_parallel.md); minidist/checkpoint/sharded.py saves and loads what this lists.
 Exercised by `pytest tests/test_checkpoint.py tests/test_checkpoint_tp.py` and by
 
     torchrun --standalone --nproc_per_node=4 minidist/train_gpt.py --tp 2 --zero-stage 1 --checkpoint-every 50
@@ -221,7 +221,7 @@ def _full_shape(name: str, shape: tuple, spec: tuple, specs: list) -> tuple:
 class PieceIndex:
     """A checkpoint's pieces of each key sorted by start, so that filling a range finds the
     pieces it overlaps by bisection (a tensor saved by rows has thousands of pieces). The
-    Reader (minidist/checkpoint_io.py) has checked that they cover each key exactly once."""
+    Reader (minidist/checkpoint/io.py) has checked that they cover each key exactly once."""
 
     def __init__(self, reader):
         self.reader, self.sorted = reader, {}

@@ -1,9 +1,9 @@
 """The planner on three axes, Chapter 11 (chapters/11_pipeline.md, "Choosing dp x tp x pp"):
 for a model, a world of ranks and a memory budget per rank, the mesh dp x tp x pp, the ZeRO
 stage, the micro-batches, sequence parallelism and recomputation that fit, at the least
-modelled step time. It extends chapter 09's planner (minidist/plan.py, one axis). Exercised by
+modelled step time. It extends chapter 09's planner (minidist/memory/plan.py, one axis). Exercised by
 
-    python -m minidist.plan_mesh --preset gpt2 --world-size 8 --budget-gb 80
+    python -m minidist.compose.plan_mesh --preset gpt2 --world-size 8 --budget-gb 80
     pytest tests/test_plan_mesh.py
 
 What is traded against what. Data parallelism copies the whole model (or shards its
@@ -33,7 +33,7 @@ Price, compared in this order (`Plan.price`):
    by the bubble; tp's all-reduces (all exposed, as tensor_parallel_cost.tp_step_time);
    pp's sends, exposed; the gradient sync over dp, hidden behind the last backward as
    chapter 08's cost model has it without a pipeline (cost_model.exposed_time), exposed with
-   one (a stage averages one flat buffer after the step, minidist.pipeline_compose);
+   one (a stage averages one flat buffer after the step, minidist.compose.pipeline_sync);
 2. the bubble; 3. bytes sent per rank per step; 4. recomputation; 5. sequence parallelism;
 6. fewer micro-batches; 7. the lower ZeRO stage; 8. fewer stages; 9. less tp.
 Bytes as minidist sends them: fp32 gradients and pipeline activations, tp's activations in
@@ -57,10 +57,10 @@ from minidist.cost_model import (ELEM, GB, MESSAGES, MODELS, STRATEGIES, Hardwar
 from minidist.memory import step_memory
 from minidist.model import PRESETS, GPTConfig, config_num_params, flops_per_token
 from minidist.pipeline import split_layers
-from minidist.pipeline_measure import bubble_formula, in_flight_formula
-from minidist.plan import (AUTO_FLAGS, PlanError, check_sizes, default_budget_gb, model_of,
+from minidist.pipeline.measure import bubble_formula, in_flight_formula
+from minidist.memory.plan import (AUTO_FLAGS, PlanError, check_sizes, default_budget_gb, model_of,
                            recompute_flops_fraction)
-from minidist.tensor_parallel_cost import comm_bytes as tp_comm_bytes
+from minidist.tensor_parallel.cost import comm_bytes as tp_comm_bytes
 
 
 @dataclass(frozen=True)
@@ -248,11 +248,11 @@ def plan_on_mesh(cfg, batch, seq_len, dp, tp, pp, budget_gb, precision="bf16", s
 
 
 def resolve_auto(args, world: int, vocab_size: int) -> str | None:
-    """train_gpt's auto flags with --tp or --pp (chapter 09's planner, minidist.plan, plans
+    """train_gpt's auto flags with --tp or --pp (chapter 09's planner, minidist.memory.plan, plans
     the rest): the mesh is the command line's, dp = world / (tp pp); the ZeRO stage, the
     micro-batches (--grad-accum-steps: the pipeline's m) and recomputation are chosen."""
     if not any(getattr(args, a) == "auto" for a in AUTO_FLAGS):
-        return None  # (below: ZeRO stands on the bucketed DDP's layout, as in minidist.plan)
+        return None  # (below: ZeRO stands on the bucketed DDP's layout, as in minidist.memory.plan)
     zeros = tuple(z for z in zero_stages(args.tp, args.pp) if args.dp == "bucketed" or z == 0)
     choice, line = plan_on_mesh(
         model_of(args, vocab_size), args.batch_size, args.seq_len, world // (args.tp * args.pp), args.tp, args.pp,

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from minidist.ddp import (allreduce_gradients_flat, allreduce_gradients_naive, clip_to_global_norm,
                           grad_square_sum, scale_grads, unique_params)
 from minidist.pipeline import Stage, exchange
-from minidist.tensor_parallel_gpt import plain_layout
+from minidist.tensor_parallel.gpt import plain_layout
 
 
 class PipelineSync:

@@ -1,10 +1,10 @@
 """The GPT split for tensor parallelism (Megatron-LM, Shoeybi et al. 2019), from the pieces
-in minidist/tensor_parallel.py: attention by heads, the MLP by its hidden width, the token
+in minidist/tensor_parallel/layers.py: attention by heads, the MLP by its hidden width, the token
 embedding and the tied head by vocabulary, with a cross entropy that never gathers the
 logits. `parallelize(model, tp_group, sequence_parallel)` returns this rank's shard;
 `shard_spec` says which slice of which full tensor each parameter is. The closed forms
 (bytes per step, parameters and activations per rank, a GPU node's predicted step time)
-are in minidist/tensor_parallel_cost.py.
+are in minidist/tensor_parallel/cost.py.
 
 Chapter 10 (chapters/10_tensor_parallel.md). Exercised by `pytest -q tests/test_tensor_parallel.py`
 and `torchrun --standalone --nproc_per_node=4 minidist/train_gpt.py --tp 2` (dp 2 x tp 2).
@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minidist.model import GPT
-from minidist.tensor_parallel import (ColumnParallelLinear, LayerNorm, RowParallelLinear, dropout,
+from minidist.tensor_parallel.layers import (ColumnParallelLinear, LayerNorm, RowParallelLinear, dropout,
                                       reduce_from_region, reduce_scatter_sequence, shard_param,
                                       shard_range, tp_rng, used_on_positions)
 
@@ -289,5 +289,5 @@ def shard_spec(model: nn.Module) -> dict:
 
 # the closed forms (bytes, parameters, activations), here for the notebook and the tests
 # that name them from this module
-from minidist.tensor_parallel_cost import (comm_bytes, korthikanti_activation_bytes,  # noqa: E402,F401
+from minidist.tensor_parallel.cost import (comm_bytes, korthikanti_activation_bytes,  # noqa: E402,F401
                                            param_bytes, tp_block_activation_bytes)

@@ -62,7 +62,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from minidist.muon import Muon, adjust_lr
-from minidist.newton_schulz import newton_schulz, newton_schulz_many, schedule
+from minidist.muon.orthogonalize import newton_schulz, newton_schulz_many, schedule
 from minidist.tensor_parallel import shard_of
 
 __all__ = ["shardwise_error", "ShardLayout", "newton_schulz_sharded", "TensorParallelMuon",

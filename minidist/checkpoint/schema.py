@@ -1,7 +1,7 @@
 """What a checkpoint's files must be before anything is built from them: the schema of
 meta.json, of each shard file, and the identity that binds a shard to its checkpoint.
-Chapter 08 (chapters/08_at_scale.md); minidist/checkpoint_io.py reads the files and asks
-these questions, minidist/checkpoint.py saves and loads. Exercised by:
+Chapter 08 (chapters/08_at_scale.md); minidist/checkpoint/io.py reads the files and asks
+these questions, minidist/checkpoint/sharded.py saves and loads. Exercised by:
 
     python -m minidist.checkpoint out/checkpoints      # each checkpoint: intact, or damaged and where
     pytest tests/test_checkpoint_trust.py

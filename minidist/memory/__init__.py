@@ -1,0 +1,11 @@
+"""Chapter 09, memory (chapters/09_memory.md): where a step's memory goes, and how to fit a budget.
+Read in this order:
+
+    recompute.py  activation checkpointing on torch.autograd.Function (the plain form)
+    estimate.py   activations counted and derived, the memory model of a step, a measured peak
+    plan.py       the planner: ZeRO stage, micro-steps and recomputation for a budget
+"""
+
+from minidist.cost_model import (activation_bytes, block_activation_bytes, head_activation_bytes,  # chapter 09's
+                                 zero3_gathered_bytes)  # formulas, beside the tables of chapter 08's cost model
+from minidist.memory.estimate import count_saved_bytes, gib, measure_peak, step_memory, storages_now
