@@ -38,7 +38,7 @@ HANG_HINT = ("Every rank must launch the same all-reduces in the same order and 
 _NOT_TORCH = "build the buckets, hooks and all-reduces yourself, not with torch's wrappers"
 # minidist's modules for this exercise's idea: the learner's file may not name them
 # (exercises/_filecheck.py reads it before anything runs)
-IDEA_MODULES = ("minidist.ddp", "minidist.train", "minidist.train_gpt")
+IDEA_MODULES = ("minidist.ddp", "minidist.train", "minidist.compose.build", "minidist.train_gpt")
 RULES = _rules.Rules(
     allowed=("allreduce", "broadcast", "send", "recv"),
     collective_rule="exercise 03 moves data with dist.broadcast (construction) and "

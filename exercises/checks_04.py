@@ -36,7 +36,7 @@ HANG_HINT = "Every rank must make the same all_reduce calls in the same order."
 # gradients are the DDP's (or the caller's) business, never torch's DDP.
 # minidist's modules for this exercise's idea: the learner's file may not name them
 # (exercises/_filecheck.py reads it before anything runs)
-IDEA_MODULES = ("minidist.ddp", "minidist.train", "minidist.train_gpt")
+IDEA_MODULES = ("minidist.ddp", "minidist.train", "minidist.compose.build", "minidist.train_gpt")
 IDEA_ALLOWED = ("minidist.ddp.DDP",)  # what the stub itself hands out
 RULES = _rules.Rules(
     allowed=("allreduce", "send", "recv"),

@@ -198,7 +198,7 @@ def reference_row_parallel_linear(full, group):
 
 
 def reference_parallel_mlp(full, group):
-    return _tp_gpt.ParallelMLP(full, group, False, True)
+    return _tp_gpt.ParallelMLP(full, group)
 
 
 def reference_sequence_parallel_mlp(x, w_fc, w_proj, group, p=0.0):

@@ -1,31 +1,14 @@
 """Collectives from point-to-point messages: ring all-reduce, reduce-scatter, all-gather
-and broadcast, built on nothing but isend/irecv.
+and broadcast, built on nothing but isend/irecv. Chapter 02 (chapters/02_collectives.md).
+Exercised by `python -m minidist.bench collectives` and by tests/test_comm.py.
 
-Chapter 02 (chapters/02_collectives.md). Exercised by `python -m minidist.bench collectives`
-and by tests/test_comm.py.
-
-Every collective works in place and means what its torch.distributed namesake means,
-for any world size and tensor size (chunks differ by at most one element).
-
-The ring: rank r sends only to r+1 and receives only from r-1 (mod N). Cut the data into
-N chunks. In the reduce-scatter phase each of N-1 steps passes one partial sum along and
-adds to it, so after N-1 steps rank r holds chunk r summed over all ranks. In the
-all-gather phase N-1 more steps pass the finished chunks around. Each rank sends
-(N-1)/N of the data per phase, whatever N is: that is why the ring is bandwidth-optimal.
-`all_reduce` is exactly that: `_ring_reduce_scatter`, then `_ring_all_gather`.
-
-Top to bottom: the byte counter and the exchange every step goes through; the two ring
-phases; the four collectives; last, `all_reduce_pipelined`, the same chunks and additions
-(so the same bits) in segments, so that additions hide behind transfers. Training does
-not call it: DDP and ZeRO overlap torch's asynchronous collectives with backward, and
-ZeRO's `collectives="minidist"` runs the plain reduce_scatter and all_gather to count
-bytes. The collectives benchmark times it beside torch's, to show how near gloo a ring
-in Python gets.
-
-Half precision: a received bf16/fp16 chunk is added to the local one with torch's
-elementwise add, which computes in fp32 and rounds once per hop, so a sum over N ranks
-is rounded N-1 times, as NCCL does. The data travels in its own dtype (half the bytes
-of fp32): accumulating in fp32 would double the traffic for a small gain in precision.
+Every collective works in place and means what its torch.distributed namesake means, for
+any world size and tensor size. The ring: rank r sends only to r+1 and receives only from
+r-1; a reduce-scatter phase of N-1 steps leaves chunk r summed on rank r, an all-gather
+phase of N-1 more passes the finished chunks around, so each rank sends (N-1)/N of the
+data per phase, whatever N is. Last, `all_reduce_pipelined`: the same chunks and additions
+(the same bits) in segments, so that additions hide behind transfers (the benchmark's).
+Half precision travels in its own dtype and is rounded once per hop, as NCCL does.
 """
 
 from __future__ import annotations

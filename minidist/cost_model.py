@@ -1,47 +1,17 @@
-"""What data parallelism and ZeRO cost from 8 to 1024 GPUs, in closed form. Chapter 08
-(chapters/08_at_scale.md). Exercised by `python -m minidist.bench scale`
-(minidist/bench/scale.py) and tests/test_cost_model.py.
+"""Every closed-form formula of minidist, once: the ring's bytes and messages (chapter 02),
+the ZeRO paper's memory (06), Newton-Schulz FLOPs (07), step time from 8 to 1024 GPUs
+(Chapter 08, chapters/08_at_scale.md) and the bytes a step keeps (derived in chapter 09,
+which counts and measures them in minidist/memory/estimate.py). Exercised by
+`python -m minidist.bench scale` and tests/test_cost_model.py.
 
-Every closed-form formula of minidist lives here, once: the ring's bytes and messages
-(chapter 02, used by the collectives benchmark's fit), the ZeRO paper's memory (chapter
-06, used by the zero benchmark), Newton-Schulz FLOPs (chapter 07), step time at scale
-(chapter 08), and the bytes a step keeps (derived in chapter 09, minidist/memory/estimate.py, which
-counts and measures them): one memory model from a laptop's step to 1024 GPUs.
-
-A step on N GPUs is predicted from three kinds of figures:
-
-- compute: training FLOPs per token (`minidist.model.flops_per_token`: 6 x parameters
-  plus 12 L T d for attention) over the hardware's dense peak times an assumed MFU;
-- network: chapter 02's alpha-beta model, alpha seconds per message and beta seconds per
-  byte, one pair for links inside a node and one for links between nodes;
-- memory: minidist's own step, as minidist.memory.step_memory models it: 4 + 4 + 8 bytes
-  per parameter (fp32 weights and gradients, AdamW's moments) divided per ZeRO stage, plus
-  the activations of one micro-batch under bf16 autocast, counted exactly.
-
-Scaling efficiency is throughput on N GPUs over N times that of one GPU that communicates
-nothing: t(1) x (tokens per step on N / tokens per step on 1) / (N x t(N)). Here the
-scaling is weak: every GPU keeps the same micro-batch whatever N, the tokens grow with N,
-and the efficiency is t(1) / t(N). That is the kinder case. Hugging Face's Ultra-Scale
-Playbook (2025) measures throughput per GPU falling as data parallelism grows to hundreds
-of GPUs at a fixed global batch, where each GPU's share of the batch, and so the compute
-that can hide communication, shrinks as N grows.
-
-Read the efficiencies as upper bounds. The model is optimistic where it assumes:
-- overlap is perfect up to the compute there is to hide behind (`Hardware.overlap`): real
-  communication kernels take SMs and memory bandwidth from the compute they overlap;
-- no stragglers, no congestion, no jitter: every GPU finishes its compute at the same
-  instant and every link runs at its rated bandwidth whatever else the fabric carries;
-- MFU is the same at every N and for every strategy (ZeRO-3's many small kernels and the
-  bookkeeping of sharding lower it in practice);
-- the optimizer step and the loss's gradient clipping reductions are left out (ZeRO's
-  step shrinks by N, so leaving it out slightly understates what ZeRO saves);
-- ZeRO-3's parameters are spread evenly over the L blocks (the embeddings are a unit of
-  their own in minidist/zero/stage3.py, a large one for small models).
-It is pessimistic where it assumes:
-- a flat ring at the pace of its slowest link: no hierarchical collectives (reduce-scatter
-  over NVLink, then between nodes on 1/8 of the data) and no in-network reduction;
-- the ring's 2(N-1) message latencies per all-reduce: NCCL switches to trees at scale,
-  with about 2 log2 N; `Hardware(latency="tree")` shows what that changes.
+A step on N GPUs is predicted from compute (`minidist.model.flops_per_token` over the
+dense peak times an assumed MFU), network (chapter 02's alpha-beta model, one pair for
+links inside a node and one between nodes) and memory (minidist.memory.step_memory).
+Scaling is weak (the micro-batch per GPU fixed), so the efficiency is t(1) / t(N). Read
+it as an upper bound: overlap perfect up to the compute there is, no stragglers, one MFU
+for every N and strategy, no optimizer step; and pessimistic in two ways: a flat ring at
+its slowest link's pace, and 2(N-1) latencies per all-reduce (`Hardware(latency="tree")`
+shows trees). Chapter 08 says why each matters.
 """
 
 from __future__ import annotations
@@ -132,18 +102,11 @@ def comm_volume(strategy: str, psi: float, n: int, elem_bytes: int = 2, accum: i
 
 def muon_comm_volume(stage: int, psi_adamw: float, psi_muon: float, n: int, psi_root: float = 0.0,
                      elem_bytes: int = 4, update_bytes: int = 2) -> float:
-    """Bytes each rank sends per step (one micro-step) with Muon for the hidden matrices
-    (psi_muon elements) and AdamW for the rest (psi_adamw) at ZeRO `stage` (chapter 07):
-    stage 0, DDP's all-reduce of every gradient (2 Psi (N-1)/N); stages 1-2, AdamW's
-    reduce-scatter and all-gather (2 Psi_adamw (N-1)/N) and Muon's gradients reduce-
-    scattered to their owners (Psi_muon (N-1)/N); stage 3, every parameter gathered in
-    forward and again in backward (the root's psi_root elements once: 2 Psi - Psi_root) and
-    every gradient reduce-scattered, AdamW's to shards, Muon's to owners (Psi (N-1)/N). The
-    owners' updates, in update_bytes per element, go to every rank at stages 0-2 (an
-    all-gather, Psi_muon (N-1)/N) and at stage 3 only to the ranks holding each piece (an
-    all-to-all: each owner's Psi_muon/N, of which (N-1)/N lies elsewhere on average; the
-    exact share depends on where the flat layout cuts each matrix, and is at most all of
-    it). Flags, the padding of shards and of rounds of unequal matrices come on top."""
+    """Bytes each rank sends per step with Muon for the hidden matrices (psi_muon) and
+    AdamW for the rest at ZeRO `stage` (chapter 07 derives each term): the gradients'
+    reduce-scatters (and at stage 3 the parameters' gathers, the root's once), plus the
+    owners' updates in update_bytes per element, to every rank at stages 0-2 and at stage 3
+    only to the ranks holding each piece. Flags and padding come on top."""
     psi, f = psi_adamw + psi_muon, (n - 1) / n
     grads = {0: 2 * psi, 1: 2 * psi_adamw + psi_muon, 2: 2 * psi_adamw + psi_muon,
              3: 3 * psi - psi_root}[stage] * f * elem_bytes
@@ -153,14 +116,8 @@ def muon_comm_volume(stage: int, psi_adamw: float, psi_muon: float, n: int, psi_
 
 def exposed_time(c: float, k: int, t: float) -> float:
     """Communication left showing when k transfers of c seconds each are paired with k
-    equal slices of t seconds of compute, one transfer per slice, on one link.
-
-    Data parallelism: bucket i is ready when its slice of backward is done, and the last
-    bucket has no backward left to hide behind. ZeRO-3: unit i+1 is gathered (prefetched)
-    while unit i computes, and the first gather has nothing before it. Either way one
-    transfer always shows, and each of the other k - 1 shows what it takes beyond its
-    slice; the backlog only grows, so the total is c + (k - 1) max(0, c - t/k).
-    """
+    equal slices of t seconds of compute, one per slice (DDP's buckets, ZeRO-3's prefetched
+    units): one transfer always shows, each other one what it takes beyond its slice."""
     return c + (k - 1) * max(0.0, c - t / k)
 
 

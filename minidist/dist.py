@@ -11,22 +11,15 @@ minidist/run/launch.py, which builds on this module.
 The backend follows the hardware: NCCL with one GPU per process when CUDA has enough
 GPUs, gloo on CPU otherwise. Every process group gets a timeout, so a peer that never
 joins a collective turns into an error instead of a hang. The environment it reads is
-checked (MINIDIST_TIMEOUT, MINIDIST_DEVICE, WORLD_SIZE), and a run's rank 0 locks its
-output folder (acquire_lock): one run per folder.
+checked (MINIDIST_TIMEOUT, MINIDIST_DEVICE, WORLD_SIZE).
 """
 
 from __future__ import annotations
 
-import fcntl  # the run lock (POSIX)
-import json
 import math
 import os
-import socket
-import sys
-import time
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -176,128 +169,3 @@ def barrier_or_failure(failed: str | None = None) -> str | None:
     flag = torch.tensor([rank if failed else world], dtype=torch.int64, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # the lowest failed rank, or world: none
     return failed or (f"rank {int(flag)} failed" if int(flag) < world else None)
-
-
-# ---- one run per output folder ------------------------------------------------------------
-# Two runs writing one folder interleave their metrics and prune each other's checkpoints.
-# Rank 0 holds an flock on OUT/run.lock for its run's whole life; the kernel drops it when
-# the process ends, however it ends, so a killed run's folder is free again at once.
-
-LOCK = "run.lock"
-
-
-def _run_id() -> str | None:
-    """What every rank of this run shares and no other run has: torchrun's run id (the
-    same across its restarts, and on every node), else the rendezvous address another
-    launcher gave the ranks; None for one process started by hand."""
-    rid = os.environ.get("TORCHELASTIC_RUN_ID")
-    if rid and rid != "none":
-        return f"torchrun {rid}"
-    if os.environ.get("RANK") and os.environ.get("MASTER_PORT"):
-        return f"{os.environ.get('MASTER_ADDR', '')}:{os.environ['MASTER_PORT']}"
-    return None
-
-
-def _lock_info(lock: Path, wait_s: float = 1.0) -> dict:
-    """The holder's note in the lock file ({} if it never becomes readable: the holder
-    writes it just after taking the lock, so a reader can come in between)."""
-    t_end = time.monotonic() + wait_s
-    while True:
-        try:
-            info = json.loads(lock.read_text())
-            if isinstance(info, dict):
-                return info
-        except (OSError, ValueError):
-            pass
-        if time.monotonic() > t_end:
-            return {}
-        time.sleep(0.02)
-
-
-def lock_holder(out) -> dict | None:
-    """The run that holds `out`'s lock, if a live one other than this run does (its note:
-    host, pid, command, start); None if none does. The lock is an flock, which the kernel
-    drops when its holder dies however it dies: a killed run's lock file is left behind,
-    but nobody holds it, so its folder can be resumed."""
-    lock = Path(out) / LOCK
-    try:
-        fd = os.open(lock, os.O_RDONLY)
-    except OSError:  # no lock file (or not readable, which the output checks report)
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a probe: is anyone holding it?
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    except BlockingIOError:
-        pass
-    except OSError:  # a file system without locks: nothing to go by
-        return None
-    finally:
-        os.close(fd)
-    info = _lock_info(lock)
-    if info.get("run") is not None and info.get("run") == _run_id():
-        return None  # another rank of this run, or its previous attempt, still letting go
-    return info
-
-
-def in_use_message(out, info: dict) -> str:
-    who = (f"pid {info.get('pid', '?')} on {info.get('host', '?')}, since {info.get('started', '?')}: "
-           f"{info.get('command', '?')}") if info else "a run that has not said who it is"
-    return (f"--out-dir {out} is in use by another run ({who}): wait for it to end (or stop it), "
-            "or choose another --out-dir")
-
-
-class OutDirInUse(RuntimeError):
-    """Another live run holds the --out-dir lock."""
-
-
-def acquire_lock(out, wait_s: float = 2.0):
-    """Take `out`'s lock for this run (rank 0 calls it, once, before any work); returns
-    what release_lock needs. OutDirInUse if another live run holds it. Waits up to
-    `wait_s` while the holder is this run (a previous torchrun attempt's rank 0 exiting,
-    another rank probing)."""
-    lock = Path(out) / LOCK
-    t_end = time.monotonic() + wait_s
-    while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            info = lock_holder(out)
-            if info is not None and (info or time.monotonic() > t_end):
-                raise OutDirInUse(in_use_message(out, info)) from None
-            if time.monotonic() > t_end:
-                raise OutDirInUse(f"--out-dir {out}: {lock} stayed locked for {wait_s:g} s: "
-                                  "another run is starting there; choose another --out-dir") from None
-            time.sleep(0.05)
-            continue
-        except OSError as e:  # no locks on this file system: run, and say so
-            os.close(fd)
-            print(f"warning: {lock} cannot be locked ({e.strerror or e}); nothing stops a second "
-                  f"run from writing to {out} at the same time", file=sys.stderr)
-            return None
-        try:  # a holder that let go may have deleted the file we opened: lock the current one
-            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
-        except FileNotFoundError:
-            same = False
-        if not same:
-            os.close(fd)
-            continue
-        note = {"host": socket.gethostname(), "pid": os.getpid(), "run": _run_id(),
-                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps(note).encode())
-        return fd, lock
-
-
-def release_lock(held) -> None:
-    """Let go of the lock (the file is deleted first, so a run waiting on it retries)."""
-    if held is None:
-        return
-    fd, lock = held
-    try:
-        os.unlink(lock)
-    except OSError:
-        pass
-    os.close(fd)

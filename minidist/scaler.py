@@ -1,45 +1,20 @@
 """Dynamic loss scaling for fp16 training: Chapter 05 (chapters/05_mixed_precision.md).
-
 Exercised by:
 
     torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --precision fp16
     pytest tests/test_scaler.py
 
-Why it exists. fp16 keeps 10 mantissa bits but only 5 exponent bits: the smallest
-positive value is 2**-24 (about 6e-8) and the largest 65504. Gradients of a language
-model are mostly tiny, so in an fp16 backward pass many of them round to zero
-(underflow). Multiplying the loss by a large factor S multiplies every gradient by S
-(the chain rule is linear), lifting them into fp16's range; dividing the fp32 gradients
-by S afterwards ("unscaling") gives back the true gradients. Too large an S and some
-gradient overflows to inf: then that step is skipped and S is lowered. Too small and
-underflow returns, so S is raised again after a run of clean steps. bf16 has fp32's
-8 exponent bits, the same range, so it needs none of this.
-
-The usage mirrors torch.amp.GradScaler, the oracle the tests compare against:
-
-    scaler.scale(loss).backward()   # gradients are S times too large
-    sync.finish_gradient_synchronization()   # averaged across ranks (forward_backward does it)
-    scaler.unscale_(opt)            # divide by S, check for inf/NaN (optional: step does it)
-    clip_grad_norm_(...)            # clipping must see true gradients
-    scaler.step(opt)                # opt.step() unless some gradient was not finite
-    scaler.update()                 # back off or grow S
-
-What it adds beyond GradScaler:
-
-- The inf/NaN check agrees across ranks: the flag is all-reduced with MAX, so when each
-  rank holds only a shard of the gradients (ZeRO-2/3), or an overflow happens on one rank
-  only, every rank skips the same steps and parameters never diverge.
-- Hysteresis, as in DeepSpeed's loss scaler: the scale backs off only once the run of
-  consecutive overflows reaches `hysteresis`, so a single outlier batch does not halve it.
-  Every overflow still skips its step, and a clean step ends the run. With hysteresis=1
-  every overflow backs off, exactly as GradScaler does. (This is DeepSpeed with
-  consecutive_hysteresis=True; DeepSpeed's default refills the allowance only when the
-  scale grows, not after each clean step.)
-- min_scale: when gradients are inf or NaN even at the smallest allowed scale, scaling
-  cannot be the cure, and the scaler stops the run with an error saying what to try.
-
-The module reads in that order: PlainScaler, the idea alone in one process, then
-LossScaler, what train_gpt uses.
+fp16's smallest positive value is 2**-24, so most of a language model's gradients underflow
+in an fp16 backward. Multiplying the loss by S lifts every gradient by S; unscaling the fp32
+gradients gives the true ones back. A step whose gradients overflow is skipped and S
+lowered; after a run of clean steps S grows. bf16 has fp32's range and needs none of it.
+The usage mirrors torch.amp.GradScaler, the tests' oracle (scale, unscale_, step,
+update). Beyond it: the inf/NaN flag agrees across ranks (an all-reduce with MAX, so ZeRO's
+shards skip the same steps); hysteresis, as DeepSpeed's consecutive_hysteresis=True (the
+scale backs off only after `hysteresis` overflows in a row; 1 is GradScaler); and
+min_scale, past which the run stops with an error saying what to try. The module reads
+in that order: PlainScaler, the idea alone in one process, then LossScaler, what
+train_gpt uses.
 """
 
 from __future__ import annotations

@@ -32,18 +32,18 @@ from minidist import checkpoint, data, metrics
 from minidist.checkpoint import faults
 from minidist.run import outputs
 from minidist.ddp import broadcast_module
+from minidist.compose.build import gradient_sync, make_optimizers, make_step, shard_model
 from minidist.compose.mesh import make_mesh
-from minidist.pipeline import Stage
-from minidist.compose.pipeline_sync import pipeline_eval, pipeline_generate
-from minidist.tensor_parallel.gpt import parallelize
-from minidist.dist import OutDirInUse, acquire_lock, cleanup, init, release_lock
-from minidist.run.flags import agree_across_ranks, build_parser, make_scaler, parse_args, resolve_args, world_size_from_env
-from minidist.model import GPT, PRESETS, GPTConfig, config_num_params, flops_per_token
+from minidist.dist import cleanup, init
+from minidist.run.locks import OutDirInUse, acquire_lock, release_lock
+from minidist.run.flag_checks import model_of
+from minidist.run.flags import (agree_across_ranks, build_parser, make_scaler, optimizer_options, parse_args,
+                                resolve_args, world_size_from_env)
+from minidist.model import GPT, config_num_params, flops_per_token
 from minidist.muon import check_routing
 from minidist.memory.recompute import set_activation_checkpointing
 from minidist.checkpoint.faults import StopOnSignal, any_signal, is_collective_failure
-from minidist.train import (evaluate, finite_state, forward_backward, gradient_sync, lr_at, make_optimizers,
-                            pipeline_forward_backward)
+from minidist.train import evaluate, finite_state, lr_at
 
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -99,26 +99,22 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
     torch.manual_seed(args.seed)
 
     enc = data.get_tokenizer(args.tokenizer)
-    cfg = GPTConfig(**{**PRESETS[args.preset], "block_size": args.seq_len,
-                       "vocab_size": enc.n_vocab, "dropout": args.dropout,
-                       **{k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd")
-                          if getattr(args, k) is not None}})
+    cfg = model_of(args, enc.n_vocab, args.dropout)
     model = GPT(cfg).to(info.device)
     broadcast_module(model)  # identical start on every rank, whatever the seeds did
-    pp = args.pp > 1  # chapter 11
     # chapter 10: the ranks as a dp x tp grid; each replica's tp ranks hold slices of its
     # layers (cut from the identical full model) and share its batch
     # chapter 11: a pp x dp (x tp) grid; each rank holds one stage, its contiguous blocks
     mesh = make_mesh(tp=args.tp, pp=args.pp) if args.tp > 1 or args.pp > 1 else None
     dp, dp_rank, group = (mesh.dp, mesh.dp_rank, mesh.dp_group) if mesh else (info.world_size, info.rank, None)
-    if mesh and args.tp > 1:
-        model = parallelize(model, mesh.tp_group, args.sequence_parallel)
-    if pp:
-        model = Stage(model, mesh.pp_group)
+    model = shard_model(model, mesh, args.sequence_parallel)
     set_activation_checkpointing(model, args.activation_checkpointing == "blocks")  # chapter 09
-    opts = make_optimizers(model, args, group)
-    sync = gradient_sync(model, opts, args, mesh)  # DDP (--dp), or the ZeRO optimizer: averages gradients
+    opts = make_optimizers(model, group=group, **optimizer_options(args))
+    sync = gradient_sync(model, opts, zero_stage=args.zero_stage, dp=args.dp, bucket_cap_mb=args.bucket_cap_mb,
+                         mesh=mesh)  # DDP (--dp), the ZeRO optimizer, or a mesh's or a stage's sync
     scaler = make_scaler(args)
+    # one step's forward-backward, the evaluation loss and sampling, a plain model's or a stage's
+    stepper = make_step(model, sync, scaler, args.precision, dp, group, args.pp_schedule, mesh)
     k = args.grad_accum_steps  # loader step s * k + m is micro-step m of optimizer step s
     train = data.TokenLoader(train_glob, args.seq_len, args.batch_size // k, dp_rank, dp, args.seed)
     val = data.TokenLoader(val_glob, args.seq_len, args.batch_size, dp_rank, dp, args.seed)
@@ -130,9 +126,8 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
         f"{config_num_params(cfg) / 1e6:.2f}M params, {cfg.n_layer}L {cfg.n_head}H {cfg.n_embd}d, "
         f"vocab {cfg.vocab_size} ({args.tokenizer}) | batch {args.batch_size} x {args.seq_len} "
         f"tokens ({k} micro-step{'s' if k > 1 else ''}) | {_axes(args, dp)} | {args.precision} | {args.optimizer}{f' zero-{args.zero_stage}' if args.zero_stage else ''} | {args.steps} steps | MFU vs {peak_src}")
-    if pp:
-        log(f"pipeline | {mesh.describe()} | {args.pp_schedule}, {k} micro-batches | {model.describe()} | "
-            f"gradients averaged over dp after each step ({'per parameter' if args.dp == 'naive' else 'one flat all-reduce'})")
+    if stepper.describe(k):  # (a pipeline's stages and schedule)
+        log(stepper.describe(k))
     if args.plan:  # chapter 09: what the planner chose for the "auto" flags, and why
         log(f"plan | {args.plan}")
 
@@ -152,19 +147,15 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
                 "device": info.device.type, "params": config_num_params(cfg)}
     watch = outputs.LossWatch(args)  # a loss non-finite for steps in a row stops the run
     tput, t_start = metrics.Throughput(), time.perf_counter()
-    loss_fn = (lambda x, y: pipeline_eval(model, x, y)) if pp else None  # evaluation's forward
     check_muon_routing = args.optimizer == "muon"  # once, after the first step taken (ch. 07)
     loss, step = math.nan, start - 1
     try:
         for step in range(start, args.steps):
-            lr = lr_at(step, args)
+            lr = lr_at(step, args.lr, args.warmup_steps, args.steps, args.min_lr_ratio)
             for g in (g for o in opts for g in o.param_groups):
                 g["lr"] = g["peak_lr"] * lr / args.lr  # every group on the same schedule
             micro = [tuple(t.to(info.device) for t in train.batch(step * k + m)) for m in range(k)]
-            if pp:  # chapter 11: the micro-batches through the stages
-                loss = pipeline_forward_backward(model, micro, sync, scaler, args.precision, group, args.pp_schedule)
-            else:
-                loss = forward_backward(model, micro, dp, sync, scaler, args.precision, group)
+            loss = stepper.forward_backward(micro)
             for o in opts:  # the gradients are averaged now
                 scaler.unscale_(o)  # true gradients before clipping (a no-op unless fp16)
             if args.grad_clip > 0:
@@ -194,7 +185,7 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
                 rate = tput.rate()  # training only: evaluation below is not counted
                 if (step + 1) % args.eval_interval == 0 and not (last or ending):
                     row["val_loss"], _ = evaluate(model, val, info, tok_bytes, args.eval_windows,
-                                                  args.precision, group, loss_fn)
+                                                  args.precision, group, stepper.loss_sum)
                     tput.rate()  # restart the clock after evaluating
                 m = metrics.mfu(fpt, rate, peak, info.world_size)
                 row.update(tokens_per_s=rate, mfu=m, mem_gb=metrics.memory_bytes(info.device) / 1e9,
@@ -239,7 +230,8 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
         raise
 
     # by default the whole validation split
-    val_loss, bpb = evaluate(model, val, info, tok_bytes, args.final_eval_windows, args.precision, group, loss_fn)
+    val_loss, bpb = evaluate(model, val, info, tok_bytes, args.final_eval_windows, args.precision, group,
+                             stepper.loss_sum)
     train_s = time.perf_counter() - t_start
     rows.append({"step": args.steps, "val_loss": val_loss, "val_bpb": bpb})
     summary = {"ended": "completed", "val_loss": val_loss, "val_bpb": bpb, "train_seconds": train_s,
@@ -250,8 +242,7 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
     # every rank samples (the same text, same seed): under ZeRO-3 each forward is collective
     g = torch.Generator(device=info.device).manual_seed(args.seed)
     prompt = torch.tensor([[enc.eot_token]], device=info.device)
-    generate = (lambda *a, **kw: pipeline_generate(model, *a, **kw)) if pp else model.generate
-    summary["sample"] = sample = enc.decode(generate(
+    summary["sample"] = sample = enc.decode(stepper.generate(
         prompt, args.sample_tokens, temperature=0.8, top_k=50, generator=g)[0, 1:].tolist())
     if info.is_main:
         rows.close()

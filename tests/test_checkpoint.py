@@ -4,8 +4,6 @@ stage continues as the uninterrupted one does. The oracle is one process with pl
 AdamW (and Muon) on the same batches: ZeRO and distributed Muon equal it (tests/test_zero.py,
 tests/test_muon.py), so each rank's pieces, put together, must equal its state."""
 
-import argparse
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,16 +12,16 @@ from minidist import checkpoint
 from minidist.ddp import allreduce_gradients_flat
 from minidist.launch import launch
 from minidist.model import GPT, GPTConfig
-from minidist.train import forward_backward, make_optimizers
+from minidist.compose.build import make_optimizers
+from minidist.train import forward_backward
 
 CFG = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.0)
 BATCH = 12  # sequences per global batch: divisible by 1, 2, 3 and 4 ranks
 
 
-def _args(stage, optimizer):
-    return argparse.Namespace(optimizer=optimizer, weight_decay=0.1, lr=1e-2, zero_stage=stage,
-                              bucket_cap_mb=0.01, muon_lr=0.02, muon_momentum=0.95,
-                              muon_weight_decay=0.01)
+def _opts(stage, optimizer):  # make_optimizers' keywords
+    return dict(optimizer=optimizer, weight_decay=0.1, lr=1e-2, zero_stage=stage, bucket_cap_mb=0.01,
+                muon_lr=0.02, muon_momentum=0.95, muon_weight_decay=0.01)
 
 
 def _batch(step, rank, world):
@@ -39,7 +37,7 @@ def _run(stage, optimizer, first, last, load_from=None, save_to=None):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CFG))
-    opts = make_optimizers(model, _args(stage, optimizer))
+    opts = make_optimizers(model, **_opts(stage, optimizer))
     for g in (g for o in opts for g in o.param_groups if "eps" in g):
         # the key projection's bias has an exactly zero gradient (softmax ignores a shift
         # shared by all keys), so what arrives is rounding noise, which Adam with eps 1e-8

@@ -12,7 +12,6 @@ tests/test_checkpoint.py, for the key bias whose gradient is rounding noise). Wh
 run saved must hold its own shards exactly (torch.equal).
 """
 
-import argparse
 import shutil
 
 import pytest
@@ -26,7 +25,8 @@ from minidist.model import GPT, GPTConfig
 from minidist.pipeline import Stage
 from minidist.tensor_parallel import shard_of
 from minidist.tensor_parallel.gpt import parallelize
-from minidist.train import forward_backward, gradient_sync, make_optimizers, pipeline_forward_backward
+from minidist.compose.build import gradient_sync, make_optimizers, make_step
+from minidist.train import forward_backward
 
 # 61 tokens: vocabulary rows 31 / 30 at tp 2, so ZeRO cuts each tp rank's flat buffer at other
 # places, and the replicated tensors' state must still be written exactly once
@@ -35,9 +35,7 @@ BATCH = 8  # sequences per global batch: divisible by dp 1 and 2
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-def _args(stage, pp=1):
-    return argparse.Namespace(optimizer="adamw", weight_decay=0.1, lr=1e-2, zero_stage=stage,
-                              bucket_cap_mb=0.01, dp="bucketed", pp=pp)
+OPTS = dict(optimizer="adamw", weight_decay=0.1, lr=1e-2, bucket_cap_mb=0.01)  # make_optimizers' keywords
 
 
 def _batch(step, dp_rank, dp):
@@ -60,10 +58,10 @@ def _run(tp, stage, first, last, load_from=None, root=None, save_at=(), pp=1):
         model = parallelize(model, mesh.tp_group)
     if pp > 1:
         model = Stage(model, mesh.pp_group)
-    opts = make_optimizers(model, _args(stage, pp), mesh.dp_group)
+    opts = make_optimizers(model, zero_stage=stage, group=mesh.dp_group, **OPTS)
     for g in (g for o in opts for g in o.param_groups):
         g["eps"] = 1e-4
-    sync = gradient_sync(model, opts, _args(stage, pp), mesh)
+    sync = gradient_sync(model, opts, zero_stage=stage, bucket_cap_mb=0.01, mesh=mesh)
     if load_from:
         assert checkpoint.load(load_from, model, opts)["step"] == first
     out = {"losses": [], "saved": {}}
@@ -71,8 +69,8 @@ def _run(tp, stage, first, last, load_from=None, root=None, save_at=(), pp=1):
         x, y = _batch(step, mesh.dp_rank, mesh.dp)
         if pp > 1:
             h = len(x) // 2
-            out["losses"].append(pipeline_forward_backward(model, [(x[:h], y[:h]), (x[h:], y[h:])], sync, None,
-                                                           "fp32", mesh.dp_group, "1f1b"))
+            pipeline = make_step(model, sync, None, "fp32", mesh.dp, mesh.dp_group, "1f1b", mesh)
+            out["losses"].append(pipeline.forward_backward([(x[:h], y[:h]), (x[h:], y[h:])]))
         else:
             out["losses"].append(forward_backward(model, [(x, y)], mesh.dp, sync, None, "fp32", mesh.dp_group))
         for o in opts:

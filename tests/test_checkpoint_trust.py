@@ -22,6 +22,7 @@ from minidist import checkpoint
 from minidist.checkpoint import io as checkpoint_io
 from minidist.checkpoint import schema as checkpoint_schema
 from minidist.checkpoint.resume import find_resume
+from minidist.run import checkpoints as checkpoints_cli
 from minidist.checkpoint.schema import to_json
 from minidist.scaler import LossScaler
 
@@ -82,7 +83,7 @@ def _assert_damaged(path, root, capsys, *needles):
     with pytest.raises(checkpoint.CheckpointError):
         checkpoint.load(path, *_fresh())
     with pytest.raises(SystemExit) as e:
-        checkpoint.main([str(path)])
+        checkpoints_cli.main([str(path)])
     assert e.value.code == 1 and f"{path}: DAMAGED" in capsys.readouterr().out
     assert find_resume("auto", root, {}) == root / "step_00000001"
     assert f"skipping {path.name}, damaged" in capsys.readouterr().err
@@ -157,7 +158,7 @@ def test_absurd_sizes_are_refused_quickly_without_building_them(tmp_path, capsys
         t0 = time.perf_counter()
         problems = checkpoint.verify(two)
         with pytest.raises(SystemExit):
-            checkpoint.main([str(root)])
+            checkpoints_cli.main([str(root)])
         took, (_, peak) = time.perf_counter() - t0, tracemalloc.get_traced_memory()
         tracemalloc.stop()
         assert says in problems[0] and f"{two}: DAMAGED" in capsys.readouterr().out, problems
@@ -247,7 +248,7 @@ def test_a_shard_from_another_checkpoint_is_damage(tmp_path, capsys):
     root = tmp_path / "checkpoints"
     _, _, (one, two) = _saved(root)
     name = next(two.glob("shard_*.pt")).name
-    assert "(checksums and identity verified)" in (checkpoint.main([str(two)]) or capsys.readouterr().out)
+    assert "(checksums and identity verified)" in (checkpoints_cli.main([str(two)]) or capsys.readouterr().out)
     # from the checkpoint before it, in the same run: intact by its own checksums
     shutil.copy(one / name, two / name)
     _assert_damaged(two, root, capsys, name, "belongs to another checkpoint", "step 1 (this checkpoint: 2)")
@@ -393,11 +394,11 @@ def test_non_finite_weights_optimizer_state_or_loss_scale_are_never_saved(tmp_pa
 
 def test_the_cli_has_help_takes_one_path_and_finds_a_runs_checkpoints(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        checkpoint.main(["--help"])
+        checkpoints_cli.main(["--help"])
     assert e.value.code == 0 and "Verify minidist checkpoints" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:
-        checkpoint.main([str(tmp_path), "extra"])
+        checkpoints_cli.main([str(tmp_path), "extra"])
     assert e.value.code == 2 and "unrecognized arguments: extra" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
-        checkpoint.main([str(tmp_path)])
+        checkpoints_cli.main([str(tmp_path)])
     assert "name a run's OUT_DIR, its OUT_DIR/checkpoints" in str(e.value.code)

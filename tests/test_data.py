@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from minidist import data
+from minidist.run import shards as shards_cli
 from conftest import run
 
 
@@ -111,11 +112,11 @@ def test_bad_shards_are_clear_errors(tmp_path, damage, message):
 
 
 def test_data_cli_writes_and_checks_shards(tmp_path):
-    r = run([sys.executable, "-m", "minidist.data", "--out", str(tmp_path), "--tokenizer", "gpt2-2048"])
+    r = run([sys.executable, "-m", "minidist.run.shards", "--out", str(tmp_path), "--tokenizer", "gpt2-2048"])
     assert r.returncode == 0, r.stderr
     meta = json.loads((tmp_path / "meta.json").read_text())
     assert meta["vocab_size"] == 2048
-    r = run([sys.executable, "-m", "minidist.data", "--check", str(tmp_path / "val_000000.bin")])
+    r = run([sys.executable, "-m", "minidist.run.shards", "--check", str(tmp_path / "val_000000.bin")])
     assert r.returncode == 0 and f"{meta['val_tokens']} tokens" in r.stdout
     # the val shard holds exactly the val plays' tokens, one <|endoftext|> after each play
     enc = data.get_tokenizer("gpt2-2048")
@@ -164,7 +165,7 @@ def test_loader_epoch_visits_every_window_once(shards):
 def test_loader_rejects_batch_that_does_not_divide(shards):
     with pytest.raises(ValueError, match="multiple of 4"):
         data.TokenLoader(shards, 9, 6, 0, 4)
-    with pytest.raises(FileNotFoundError, match="python -m minidist.data"):
+    with pytest.raises(FileNotFoundError, match="python -m minidist.run.shards"):
         data.TokenLoader(shards + "nothing", 9, 4)
 
 
@@ -202,10 +203,10 @@ def test_a_damaged_cache_is_found_and_written_again(damage, tmp_path, small_corp
 
 
 def test_the_data_cli_rewrites_a_damaged_cache(tmp_path, small_corpus, capsys):
-    data.main(["--out", str(tmp_path), "--tokenizer", "gpt2-512"])
+    shards_cli.main(["--out", str(tmp_path), "--tokenizer", "gpt2-512"])
     shard = tmp_path / "val_000000.bin"
     whole = shard.read_bytes()
     shard.write_bytes(whole[:-5])
     capsys.readouterr()
-    data.main(["--out", str(tmp_path), "--tokenizer", "gpt2-512"])  # named, and written again
+    shards_cli.main(["--out", str(tmp_path), "--tokenizer", "gpt2-512"])  # named, and written again
     assert f"{shard}: header says" in capsys.readouterr().out and shard.read_bytes() == whole

@@ -213,3 +213,20 @@ def test_naive_flat_and_bucketed_present_one_interface(pool):
             for k in ref_state:
                 torch.testing.assert_close(state[k], ref_state[k], rtol=1e-5, atol=1e-6,
                                            msg=lambda m: f"{kind} {k}: {m}")
+
+
+def test_every_gradient_sync_is_one_interface():
+    """Every object that averages gradients implements minidist.sync.GradientSync, and the
+    clip is the base's, written once (no class writes its own)."""
+    from minidist.compose.mesh import MeshSync
+    from minidist.compose.pipeline_sync import PipelineSync
+    from minidist.compose.zero_muon import MuonUnderZero, MuonUnderZero3
+    from minidist.ddp import FlatDDP, NaiveDDP
+    from minidist.sync import GradientSync
+    from minidist.zero import FullyShardedOptimizer, ShardedOptimizer
+    syncs = [NaiveDDP, FlatDDP, DDP, ShardedOptimizer, FullyShardedOptimizer, MeshSync,
+             MuonUnderZero, MuonUnderZero3, PipelineSync]
+    for cls in syncs:
+        assert issubclass(cls, GradientSync), cls.__name__
+        assert cls.clip_grad_norm_ is GradientSync.clip_grad_norm_, f"{cls.__name__} writes its own clip"
+    assert issubclass(DDP, nn.Module)

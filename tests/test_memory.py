@@ -3,8 +3,6 @@ fp32) and torch.utils.checkpoint's, with dropout and autocast; the bytes saved f
 backward equal the chapter's formula; the memory model of a step against its measured
 peak; recomputation under ZeRO-3."""
 
-import types
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -105,15 +103,14 @@ MODEL_ERROR = 0.10  # the stated error of minidist.memory.step_memory's peak on 
 def _step_peak(cfg, B, T, stage, checkpointed, precision):
     """(measured, modelled) peak bytes of a train_gpt step (the second: AdamW's state exists)."""
     from minidist.ddp import DDP
-    from minidist.train import forward_backward, make_optimizers
+    from minidist.compose.build import make_optimizers
+    from minidist.train import forward_backward
     before = M.storages_now()
     torch.manual_seed(0)
     model = GPT(cfg)
     set_activation_checkpointing(model, checkpointed)
-    args = types.SimpleNamespace(optimizer="adamw", weight_decay=0.1, lr=1e-3, zero_stage=stage,
-                                 bucket_cap_mb=1.0)
     ddp = DDP(model, bucket_cap_mb=1.0) if stage == 0 else None
-    opts = make_optimizers(model, args)
+    opts = make_optimizers(model, optimizer="adamw", weight_decay=0.1, lr=1e-3, zero_stage=stage, bucket_cap_mb=1.0)
     x, y = torch.randint(0, cfg.vocab_size, (B, T)), torch.randint(0, cfg.vocab_size, (B, T))
     def step():
         forward_backward(ddp or model, [(x, y)], dist.get_world_size(), ddp or opts[0], None, precision)

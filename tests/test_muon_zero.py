@@ -7,7 +7,6 @@ equals the uninterrupted one, to the bit on the same world size and stage, and r
 ranks ZeRO-2 -> 2 ranks ZeRO-3 -> one process; bytes sent and state per rank match their formulas; and train_gpt --optimizer muon
 --zero-stage 2 and 3 on 2 ranks follow one process."""
 
-import argparse
 import contextlib
 import functools
 import math
@@ -21,7 +20,8 @@ from minidist import checkpoint, train_gpt
 from minidist.model import GPT, GPTConfig
 from minidist.muon import Muon, check_routing, split_params
 from minidist.scaler import LossScaler, autocast
-from minidist.train import forward_backward, gradient_sync, make_optimizers
+from minidist.compose.build import gradient_sync, make_optimizers
+from minidist.train import forward_backward
 
 BATCH, SEQ, VOCAB, STEPS, CLIP = 24, 16, 64, 3, 0.5  # 24 sequences: split by 2, 3 or 4 ranks x 1 or 2
 # (stage, micro-steps, precision): ZeRO stages 0 (DDP) to 3 x 1 or 2 micro-steps x fp32 or
@@ -29,10 +29,9 @@ BATCH, SEQ, VOCAB, STEPS, CLIP = 24, 16, 64, 3, 0.5  # 24 sequences: split by 2,
 CASES = [(s, k, p) for s in (0, 1, 2, 3) for k in (1, 2) for p in ("fp32", "fp16")]
 
 
-def _args(stage):
-    return argparse.Namespace(optimizer="muon", weight_decay=0.1, lr=1e-2, zero_stage=stage,
-                              bucket_cap_mb=0.01, muon_lr=0.02, muon_momentum=0.95,
-                              muon_weight_decay=0.01, dp="bucketed")
+def _opts(stage):  # make_optimizers' keywords
+    return dict(optimizer="muon", weight_decay=0.1, lr=1e-2, zero_stage=stage, bucket_cap_mb=0.01, muon_lr=0.02,
+                muon_momentum=0.95, muon_weight_decay=0.01)
 
 
 def _tune(opts):
@@ -85,9 +84,9 @@ def _ranks(cases):
     out = {}
     for stage, k, precision in cases:
         model = tiny_gpt(0)
-        opts = make_optimizers(model, _args(stage))
+        opts = make_optimizers(model, **_opts(stage))
         _tune(opts)
-        sync, scaler = gradient_sync(model, opts, _args(stage)), _scaler(precision)
+        sync, scaler = gradient_sync(model, opts, zero_stage=stage, bucket_cap_mb=0.01), _scaler(precision)
         norms = _train(model, opts, sync, scaler, precision, k, 0, STEPS)
         state = None
         if stage:
@@ -170,18 +169,18 @@ def _resume(tmp, stage):
     runs = []
     for cut in (None, 2):  # uninterrupted; then stopped after step 2 and resumed
         model = tiny_gpt(0)
-        opts = make_optimizers(model, _args(stage))
+        opts = make_optimizers(model, **_opts(stage))
         _tune(opts)
-        sync, scaler = gradient_sync(model, opts, _args(stage)), _scaler("fp32")
+        sync, scaler = gradient_sync(model, opts, zero_stage=stage, bucket_cap_mb=0.01), _scaler("fp32")
         if cut is None:
             _train(model, opts, sync, scaler, "fp32", 2, 0, 4)
         else:
             _train(model, opts, sync, scaler, "fp32", 2, 0, cut)
             checkpoint.save(tmp, cut, model, opts, scaler)
             model = tiny_gpt(1)  # other weights: all must come from the checkpoint
-            opts = make_optimizers(model, _args(stage))
+            opts = make_optimizers(model, **_opts(stage))
             _tune(opts)
-            sync, scaler = gradient_sync(model, opts, _args(stage)), _scaler("fp32")
+            sync, scaler = gradient_sync(model, opts, zero_stage=stage, bucket_cap_mb=0.01), _scaler("fp32")
             assert checkpoint.load(f"{tmp}/step_{cut:08d}", model, opts, scaler)["step"] == cut
             _train(model, opts, sync, scaler, "fp32", 2, cut, 4)
         runs.append(_params(model, opts))
@@ -201,9 +200,9 @@ def _reshard(load_from, first, last, stage, save_to=None, then_to=None):
     without stopping; returns the parameters at the end."""
     torch.set_num_threads(1)
     model = tiny_gpt(0 if load_from is None else 1)  # a resumed run's weights must all be loaded
-    opts = make_optimizers(model, _args(stage))
+    opts = make_optimizers(model, **_opts(stage))
     _tune(opts)
-    sync, scaler = gradient_sync(model, opts, _args(stage)), _scaler("fp32")
+    sync, scaler = gradient_sync(model, opts, zero_stage=stage, bucket_cap_mb=0.01), _scaler("fp32")
     if load_from:
         checkpoint.load(load_from, model, opts, scaler)
     _train(model, opts, sync, scaler, "fp32", 2, first, last)

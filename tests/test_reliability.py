@@ -21,9 +21,10 @@ import torch.distributed as dist
 
 from minidist import checkpoint, data, dist as mdist
 from minidist.checkpoint import faults
-from minidist.run import flags, outputs
+from minidist.run import flags, locks, outputs
 from minidist.run.flags import MAY_CHANGE_ON_RESUME, build_parser, resolve_args
 from minidist.checkpoint.resume import find_resume
+from minidist.run import checkpoints as checkpoints_cli
 from minidist.launch import launch
 from minidist.model import GPT, GPTConfig
 
@@ -80,7 +81,7 @@ def test_damaged_checkpoints_are_named_and_skipped(tmp_path, capsys):
     with pytest.raises(checkpoint.CheckpointError, match=f"{two}.*{f.name}.*tensor model/"):
         checkpoint.load(two, *_fresh())
     with pytest.raises(SystemExit) as e:  # the CLI: per checkpoint, intact or damaged and where
-        checkpoint.main([str(root)])
+        checkpoints_cli.main([str(root)])
     out = capsys.readouterr().out
     assert e.value.code == 1 and f"{one}: intact" in out and f"{two}: DAMAGED" in out and f.name in out
 
@@ -432,30 +433,30 @@ def test_one_run_per_out_dir(tmp_path, monkeypatch, capsys):
         err = capsys.readouterr().err
         assert e.value.code == 2 and f"--out-dir {out} is in use by another run (pid {other.pid}" in err, err
         assert "--the-other-run" in err and not dist.is_initialized()
-        with pytest.raises(mdist.OutDirInUse, match=f"pid {other.pid}"):
-            mdist.acquire_lock(out, wait_s=0.2)
+        with pytest.raises(locks.OutDirInUse, match=f"pid {other.pid}"):
+            locks.acquire_lock(out, wait_s=0.2)
     finally:
         other.kill()
         other.wait()
     # killed, its lock file is left behind, but the kernel has dropped its lock: stale
-    assert (out / "run.lock").exists() and mdist.lock_holder(out) is None
-    held = mdist.acquire_lock(out)
+    assert (out / "run.lock").exists() and locks.lock_holder(out) is None
+    held = locks.acquire_lock(out)
     assert json.loads((out / "run.lock").read_text())["pid"] == os.getpid()
     with pytest.raises(SystemExit):  # held by this process: a second run here is refused too
         _resolve(tmp_path)
     assert "is in use by another run" in capsys.readouterr().err
-    mdist.release_lock(held)
+    locks.release_lock(held)
     assert not (out / "run.lock").exists()
     assert _resolve(tmp_path).out_dir == str(out)
 
     # the ranks of one run (torchrun's run id, the same on every node and every restart)
     # do not trip on their rank 0's lock; another torchrun job does
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
-    held = mdist.acquire_lock(out)
-    assert mdist.lock_holder(out) is None
+    held = locks.acquire_lock(out)
+    assert locks.lock_holder(out) is None
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
-    assert mdist.lock_holder(out)["run"] == "torchrun job-a"
-    mdist.release_lock(held)
+    assert locks.lock_holder(out)["run"] == "torchrun job-a"
+    locks.release_lock(held)
 
 
 def test_resume_from_elsewhere_into_another_runs_folder(tmp_path, capsys):
@@ -485,12 +486,13 @@ ONE = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seq-len", "32", "
 
 
 def _at_step(monkeypatch, step, what):
-    """train_gpt's forward_backward, and from optimizer step `step` of this run on, `what`:
+    """The forward_backward train_gpt's step calls (minidist.compose.build's PlainStep), and
+    from optimizer step `step` of this run on, `what`:
     "nan" (a parameter and the loss non-finite), "weights" (a parameter only: the loss
     stays finite), "SIGTERM" (the signal, sent to this process) or "lost" (a collective
     fails as when a peer has died)."""
-    from minidist import train_gpt
-    real, calls = train_gpt.forward_backward, []
+    from minidist.compose import build
+    real, calls = build.forward_backward, []
 
     def forward_backward(model, *a, **k):
         loss = real(model, *a, **k)
@@ -505,7 +507,7 @@ def _at_step(monkeypatch, step, what):
             if what == "lost":
                 raise dist.DistBackendError("[gloo] Connection closed by peer [127.0.0.1]:29500")
         return loss
-    monkeypatch.setattr(train_gpt, "forward_backward", forward_backward)
+    monkeypatch.setattr(build, "forward_backward", forward_backward)
 
 
 def _rows(out):

@@ -60,18 +60,17 @@ def _batch(V: int):
     return x, y
 
 
-# (config, sequence_parallel, regather, reduction, activation checkpointing)
+# (config, sequence_parallel, reduction, activation checkpointing)
 # every layout with the mean over an even vocabulary and the sum over an uneven one
-CASES = [(cfg, sp, rg, red, False) for cfg, red in (("EVEN", "mean"), ("UNEVEN", "sum"))
-         for sp, rg in ((False, True), (True, True), (True, False))]
-CASES += [("EVEN", True, True, "mean", True), ("UNEVEN", False, True, "sum", True)]
-CASES_3 = [("SIX", sp, True, red, False) for sp in (False, True) for red in ("mean", "sum")]
+CASES = [(cfg, sp, red, False) for cfg, red in (("EVEN", "mean"), ("UNEVEN", "sum")) for sp in (False, True)]
+CASES += [("EVEN", True, "mean", True), ("UNEVEN", False, "sum", True)]
+CASES_3 = [("SIX", sp, red, False) for sp in (False, True) for red in ("mean", "sum")]
 CONFIGS = {"EVEN": EVEN, "UNEVEN": UNEVEN, "SIX": SIX}
 
 
-def _shard_step(cfg, sp, regather, reduction, recompute):
+def _shard_step(cfg, sp, reduction, recompute):
     """This rank's loss and {name: (spec, gradient)} after one forward and backward."""
-    m = tpg.parallelize(_full(CONFIGS[cfg]), dist.group.WORLD, sp, regather)
+    m = tpg.parallelize(_full(CONFIGS[cfg]), dist.group.WORLD, sp)
     set_activation_checkpointing(m, recompute)
     x, y = _batch(m.config.vocab_size)
     _, loss = m(x, y, reduction=reduction)
@@ -116,8 +115,8 @@ def _sent(counts) -> float:
 def _bytes_and_memory():
     """Counted bytes (a forward alone, and a whole step) and saved activation bytes."""
     out = {}
-    for sp, rg in ((False, True), (True, True), (True, False)):
-        m = tpg.parallelize(_full(UNEVEN), dist.group.WORLD, sp, rg)
+    for sp in (False, True):
+        m = tpg.parallelize(_full(UNEVEN), dist.group.WORLD, sp)
         x, y = _batch(61)
         with _counting_collectives() as fwd:
             m(x, y)
@@ -125,7 +124,7 @@ def _bytes_and_memory():
             m(x, y)[1].backward()
         saved = memory.count_saved_bytes(m, x, y)["blocks"]
         params = sum(p.numel() * p.element_size() for p in m.parameters())
-        out[sp, rg] = dict(forward_sent=_sent(fwd), step=dict(step), step_sent=_sent(step),
+        out[sp] = dict(forward_sent=_sent(fwd), step=dict(step), step_sent=_sent(step),
                            saved=saved, params=params)
     return out
 
@@ -176,7 +175,7 @@ def _against_torch_tp():
 
     theirs_mlp = parallelize_module(_copy(full.mlp), mesh, {"c_fc": ColwiseParallel(),
                                                            "c_proj": RowwiseParallel()})
-    ours_mlp = tpg.ParallelMLP(full.mlp, group, False, True)
+    ours_mlp = tpg.ParallelMLP(full.mlp, group)
     results["mlp"] = (run(ours_mlp), run(theirs_mlp),
                       [(ours_mlp.c_fc.weight.grad, theirs_mlp.c_fc.weight.grad.to_local()),
                        (ours_mlp.c_fc.bias.grad, theirs_mlp.c_fc.bias.grad.to_local()),
@@ -186,7 +185,7 @@ def _against_torch_tp():
     theirs_attn = parallelize_module(_SplitQKV(full.attn), mesh, {
         "q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel()})
     theirs_attn.n_head //= t  # each rank now holds n_head / t whole heads
-    ours_attn = tpg.ParallelAttention(full.attn, group, False, True)
+    ours_attn = tpg.ParallelAttention(full.attn, group)
     ours, theirs = run(ours_attn), run(theirs_attn)
     qkv = [theirs_attn.q, theirs_attn.k, theirs_attn.v]
     results["attention"] = (ours, theirs, [
@@ -281,7 +280,7 @@ def ranks(pool):
 def oracle():
     """{(config, reduction): (loss, {name: gradient})} of one process, each computed once."""
     memo = {}
-    for cfg, _, _, red, _ in CASES + CASES_3:
+    for cfg, _, red, _ in CASES + CASES_3:
         if (cfg, red) not in memo:
             model = _full(CONFIGS[cfg])
             x, y = _batch(model.config.vocab_size)
@@ -297,13 +296,13 @@ def oracle():
 def test_loss_and_every_gradient_equal_one_process(ranks, oracle, t):
     cases = CASES_3 if t == 3 else CASES
     for i, case in enumerate(cases):
-        ref_loss, ref_grads = oracle[case[0], case[3]]
+        ref_loss, ref_grads = oracle[case[0], case[2]]
         losses = [r["cases"][i][0] for r in ranks[t]]
         assert all(torch.equal(lo, losses[0]) for lo in losses), case  # one number everywhere
         torch.testing.assert_close(losses[0], ref_loss, **TOL, msg=str(case))
         # a summed loss is the mean times the target count: so are its gradients and
         # their rounding, so the absolute tolerance scales with it
-        n = int((_batch(CONFIGS[case[0]]["vocab_size"])[1] != -1).sum()) if case[3] == "sum" else 1
+        n = int((_batch(CONFIGS[case[0]]["vocab_size"])[1] != -1).sum()) if case[2] == "sum" else 1
         for r in ranks[t]:
             grads = r["cases"][i][1]
             assert set(grads) == set(ref_grads)  # the full model's names, each once (tied: wte)
@@ -314,7 +313,7 @@ def test_loss_and_every_gradient_equal_one_process(ranks, oracle, t):
 
 def test_shards_tile_the_full_model(ranks):
     # over the ranks, the ranges of every split parameter cover its dimension once
-    i = CASES.index(("UNEVEN", True, True, "sum", False))
+    i = CASES.index(("UNEVEN", True, "sum", False))
     full = dict(_full(UNEVEN).named_parameters())
     for t in (2, 4):
         specs = [{n: s for n, (s, _) in r["cases"][i][1].items()} for r in ranks[t]]
@@ -357,12 +356,12 @@ def test_bytes_per_step_equal_the_closed_form(ranks, t):
     cfg = GPTConfig(**UNEVEN)
     for r in ranks[t]:
         counted = r["bytes"]
-        for (sp, rg), c in counted.items():
-            want = tpc.comm_bytes(cfg, B, T, t, sp, rg)
-            assert c["step"] == {k: v for k, v in want.items() if k != "sent" and v}, (sp, rg)
+        for sp, c in counted.items():
+            want = tpc.comm_bytes(cfg, B, T, t, sp)
+            assert c["step"] == {k: v for k, v in want.items() if k != "sent" and v}, sp
             assert c["step_sent"] == pytest.approx(want["sent"])
         # the all-gather and reduce-scatter that replace each all-reduce send what it sent
-        assert counted[True, True]["forward_sent"] == pytest.approx(counted[False, True]["forward_sent"])
+        assert counted[True]["forward_sent"] == pytest.approx(counted[False]["forward_sent"])
         # and the formula's own split: per layer 4 all-reduces of B T C fp32 elements
         no_sp = tpc.comm_bytes(cfg, B, T, t)["all_reduce"]
         assert no_sp == (4 * cfg.n_layer + 2) * B * T * cfg.n_embd * 4 + 3 * B * T * 4
@@ -383,15 +382,15 @@ def test_activation_bytes_equal_the_formula(ranks, t):
     d, H = EVEN["n_embd"], EVEN["n_head"]
     for r in ranks[t]:
         counted = {k: c["saved"] for k, c in r["bytes"].items()}
-        for (sp, rg), per_block in counted.items():
-            assert per_block == [tpc.tp_block_activation_bytes(B, T, d, H, t, sp, rg)] * 2, (sp, rg)
+        for sp, per_block in counted.items():
+            assert per_block == [tpc.tp_block_activation_bytes(B, T, d, H, t, sp)] * 2, sp
         # chapter 09's block, whole on one process, is the tp = 1 case ...
         assert tpc.tp_block_activation_bytes(B, T, d, H) == memory.block_activation_bytes(B, T, d, H)
         # ... and sequence parallelism divides all of it by t, as Korthikanti's formula does
-        ratio = counted[True, True][0] / counted[False, True][0]
+        ratio = counted[True][0] / counted[False][0]
         assert ratio == (tpc.tp_block_activation_bytes(B, T, d, H, t, True)
                          / tpc.tp_block_activation_bytes(B, T, d, H, t, False))
-        assert counted[True, True][0] * t == memory.block_activation_bytes(B, T, d, H)
+        assert counted[True][0] * t == memory.block_activation_bytes(B, T, d, H)
         k = tpc.korthikanti_activation_bytes
         assert k(T, B, d, H, t, True) * t == pytest.approx(k(T, B, d, H))
 

@@ -41,7 +41,7 @@ PP = {"pp-2-1f1b": ["--pp", "2", "--pp-schedule", "1f1b"],
       "pp-2-gpipe-dp-2": ["--pp", "2", "--pp-schedule", "gpipe", "--zero-stage", "1", "--grad-clip", "0.05"],
       "tp-2-pp-2-sp": ["--tp", "2", "--pp", "2", "--sequence-parallel", "--pp-schedule", "1f1b",
                        "--activation-checkpointing", "blocks"],
-      # the planner's auto flags on the mesh given (minidist.compose.plan_mesh.resolve_auto)
+      # the planner's auto flags on the mesh given (minidist.run.flag_checks.plan_auto, plan_mesh.plan_on_mesh)
       "pp-2-auto": ["--pp", "2", "--zero-stage", "auto", "--activation-checkpointing", "auto"]}
 
 

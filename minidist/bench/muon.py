@@ -17,6 +17,9 @@ Three measurements, each beside torch's equivalent or a published bound:
 4. Muon under ZeRO stages 0-3 against AdamW at the same stage: optimizer state per rank
    and bytes sent per step against their formulas, step time and the optimizer's share
    (minidist/bench/muon_zero.py).
+
+`python -m minidist.bench.muon` measures Newton-Schulz alone (chapter 07, section 2): the
+singular-value band each coefficient choice leaves, and the speedup of batching by shape.
 """
 
 from __future__ import annotations
@@ -31,12 +34,12 @@ import torch
 import torch.distributed as dist
 
 from minidist.bench import muon_zero
-from minidist.bench.timing import measure
+from minidist.bench.timing import interleaved, measure
 from minidist.cost_model import ns_flops
 from minidist.run.flags import AUTO
 from minidist.launch import launch
 from minidist.model import GPT, PRESETS, GPTConfig
-from minidist.muon import Muon, newton_schulz, split_params
+from minidist.muon import Muon, newton_schulz, newton_schulz_many, split_params
 
 
 def _median_time(fn, repeat: int) -> float:
@@ -211,3 +214,46 @@ def _plot(ns, curves, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# ------------------------------------------------------------------ Newton-Schulz alone
+
+def singular_value_band(shapes, coefficients="jordan", steps: int = 5, seed: int = 0,
+                        dtype: torch.dtype = torch.float32) -> tuple[float, float]:
+    """(smallest, largest) singular value after `steps` steps, over Gaussian random
+    matrices of the given shapes: the band a coefficient choice leaves them in."""
+    g = torch.Generator().manual_seed(seed)
+    sv = [torch.linalg.svdvals(newton_schulz(torch.randn(*s, generator=g), steps, dtype,
+                                             coefficients=coefficients).float()) for s in shapes]
+    sv = torch.cat(sv)
+    return sv.min().item(), sv.max().item()
+
+
+def time_batched(shapes, repeats: int = 15, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> dict:
+    """Median seconds to orthogonalise one matrix of each shape, one by one and batched by
+    shape (the work of one Muon step): the two taking turns `repeats` times, so that a
+    noisy moment hurts both alike."""
+    g = torch.Generator().manual_seed(seed)
+    Ms = [torch.randn(*s, generator=g) for s in shapes]
+    runs = {"per_matrix": lambda: [newton_schulz(M, 5, dtype) for M in Ms],
+            "batched": lambda: newton_schulz_many(Ms, 5, dtype)}
+    med = {f"{k}_s": m.median for k, m in interleaved(runs, repeats).items()}
+    return {**med, "speedup": med["per_matrix_s"] / med["batched_s"]}
+
+
+def newton_schulz_report() -> None:
+    d, layers = PRESETS["tiny"]["n_embd"], PRESETS["tiny"]["n_layer"]
+    shapes = [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * layers  # train_gpt's CPU model
+    for shape in dict.fromkeys(shapes):  # Gaussian matrices; a square one has near-zero values
+        for name in ("jordan", "polar_express"):
+            bands = [(dt, *singular_value_band([shape] * 4, name, dtype=getattr(torch, dt)))
+                     for dt in ("float32", "bfloat16")]
+            print(f"{str(shape):>10} {name:>13}: singular values after 5 steps in "
+                  + ", ".join(f"[{lo:.3f}, {hi:.3f}] ({dt})" for dt, lo, hi in bands))
+    t = time_batched(shapes)
+    print(f"{len(shapes)} matrices, bf16: one by one {1e3 * t['per_matrix_s']:.2f} ms, batched "
+          f"by shape {1e3 * t['batched_s']:.2f} ms ({t['speedup']:.2f}x)")
+
+
+if __name__ == "__main__":
+    newton_schulz_report()

@@ -4,7 +4,7 @@ under ZeRO". Exercised by `python -m minidist.bench muon --quick` (tests/test_be
 this table alone: `python -m minidist.bench muon_zero --world-sizes 2`.
 
 For train_gpt's default CPU model (tiny preset, vocabulary 2048), built as train_gpt
-builds it (minidist.train.make_optimizers and gradient_sync), on N ranks:
+builds it (minidist.compose.build.make_optimizers and gradient_sync), on N ranks:
 - optimizer state per rank, measured (the tensors in the optimizers' state) against its
   formula: AdamW's two fp32 moments of the elements this rank updates (all of them at
   stage 0, 1/N of them under ZeRO) and Muon's one momentum of the matrices it owns;
@@ -18,7 +18,6 @@ builds it (minidist.train.make_optimizers and gradient_sync), on N ranks:
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
@@ -30,7 +29,8 @@ from minidist.cost_model import muon_comm_volume
 from minidist.launch import launch
 from minidist.model import GPT, GPTConfig
 from minidist.muon import split_params
-from minidist.train import forward_backward, gradient_sync, make_optimizers
+from minidist.compose.build import gradient_sync, make_optimizers
+from minidist.train import forward_backward
 
 VARIANTS = [(opt, stage) for stage in (0, 1, 2, 3) for opt in ("adamw", "muon")]
 
@@ -38,11 +38,9 @@ VARIANTS = [(opt, stage) for stage in (0, 1, 2, 3) for opt in ("adamw", "muon")]
 def _build(cfg: dict, optimizer: str, stage: int):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**cfg))
-    args = argparse.Namespace(optimizer=optimizer, zero_stage=stage, dp="bucketed", bucket_cap_mb=25.0,
-                              lr=1e-3, weight_decay=0.1, muon_lr=0.02, muon_momentum=0.95,
-                              muon_weight_decay=0.0)
-    opts = make_optimizers(model, args)
-    return model, opts, gradient_sync(model, opts, args)
+    opts = make_optimizers(model, optimizer=optimizer, zero_stage=stage, lr=1e-3, weight_decay=0.1,
+                           muon_lr=0.02, muon_momentum=0.95, muon_weight_decay=0.0)
+    return model, opts, gradient_sync(model, opts, zero_stage=stage)
 
 
 class _Wire:

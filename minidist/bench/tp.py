@@ -38,7 +38,8 @@ from minidist.compose.mesh import make_mesh
 from minidist.model import GPT, GPTConfig
 from minidist.tensor_parallel.cost import comm_bytes, param_bytes, tp_block_activation_bytes, tp_step_time
 from minidist.tensor_parallel.gpt import ParallelMLP, parallelize
-from minidist.train import forward_backward, gradient_sync
+from minidist.compose.build import gradient_sync
+from minidist.train import forward_backward
 
 COUNTED = {"all_reduce": 0, "all_gather_single": 0, "reduce_scatter_single": 1}  # name -> tensor arg
 
@@ -63,17 +64,13 @@ def counting():
             setattr(dist, name, fn)
 
 
-class _Args:  # what gradient_sync reads
-    zero_stage, dp, bucket_cap_mb = 0, "bucketed", 25.0
-
-
 def _layout(cfg, tp, sp):
     torch.manual_seed(0)
     model = GPT(GPTConfig(**cfg))
     mesh = make_mesh(tp=tp)
     if tp > 1:
         model = parallelize(model, mesh.tp_group, sp)
-    sync = gradient_sync(model, None, _Args, mesh)
+    sync = gradient_sync(model, None, mesh=mesh)  # DDP over dp (bucketed, 25 MiB), with tp's norm
     return model, mesh, sync, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
@@ -113,7 +110,7 @@ def _mlp_vs_torch(cfg, global_batch, rounds, steps) -> dict:
     torch.manual_seed(0)
     full = GPT(GPTConfig(**cfg)).blocks[0].mlp
     n = dist.get_world_size()
-    ours = ParallelMLP(full, dist.group.WORLD, False, True)
+    ours = ParallelMLP(full, dist.group.WORLD)
     theirs = parallelize_module(nn.Sequential(full.c_fc, nn.GELU(approximate="tanh"), full.c_proj),
                                 init_device_mesh("cpu", (n,)), {"0": ColwiseParallel(), "2": RowwiseParallel()})
     x = torch.randn(global_batch, cfg["block_size"], cfg["n_embd"], generator=torch.Generator().manual_seed(1))

@@ -2,7 +2,7 @@
 damage. Chapter 08 (chapters/08_at_scale.md); minidist/checkpoint/sharded.py decides what each
 rank saves and loads, this module how it lies on disk. Exercised by:
 
-    python -m minidist.checkpoint out/checkpoints      # each checkpoint: intact, or damaged and where
+    python -m minidist.run.checkpoints out/checkpoints  # each checkpoint: intact, or damaged and where
     python -m minidist.bench checksums                 # what the checksums cost
 
 A checkpoint folder, step_SSSSSSSS (the step, 8 digits or more), holds meta.json and one
@@ -35,7 +35,6 @@ import math
 import os
 import re
 import shutil
-import sys
 import zlib
 from pathlib import Path
 
@@ -296,45 +295,3 @@ def verify(path) -> list[str]:
         return Reader(path).problems()
     except (CheckpointError, OSError) as e:  # (no meta.json: a FileNotFoundError)
         return [str(e)]
-
-
-def main(argv=None) -> None:
-    """python -m minidist.checkpoint PATH: every checkpoint under PATH (or PATH itself),
-    intact or damaged and where; then what the newest intact one holds. Exit code 1 if
-    one is damaged."""
-    import argparse
-    p = argparse.ArgumentParser(prog="python -m minidist.checkpoint",
-                                description="Verify minidist checkpoints: every one under PATH, or PATH itself.")
-    p.add_argument("path", nargs="?", default=".", help="a checkpoint, or a folder of step_* checkpoints")
-    path = Path(p.parse_args(sys.argv[1:] if argv is None else argv).path)
-    found = [path] if (path / "meta.json").exists() else list_checkpoints(path)
-    if not found and (path / "checkpoints").is_dir():
-        found = list_checkpoints(path / "checkpoints")  # a run's --out-dir
-    if not found:
-        sys.exit(f"{path}: no minidist checkpoint here (no meta.json, no step_* folder with one): "
-                 "name a run's OUT_DIR, its OUT_DIR/checkpoints, or one OUT_DIR/checkpoints/step_NNNNNNNN")
-    intact = []
-    for p in found:
-        try:
-            r = Reader(p)
-            bad = r.problems()
-        except (CheckpointError, OSError) as e:
-            bad = [str(e)]
-        if bad:
-            print(f"{p}: DAMAGED\n    " + "\n    ".join(bad[:5]) + (f"\n    ... {len(bad) - 5} more" if len(bad) > 5 else ""))
-            continue
-        intact.append(r)
-        sums = {1: "format 1: no checksums", 2: "checksums verified"}.get(
-            r.meta["format"], "checksums and identity verified")
-        print(f"{p}: intact ({sums}), step {r.meta['step']}, saved by {r.meta['world_size']} rank(s)")
-    if intact:
-        r = intact[-1]
-        print(f"{r.path} holds:")
-        for key, shape in sorted(r.shapes.items()):
-            print(f"  {key:60s} {str(list(shape)):>14s}  in {len(r.pieces[key])} piece(s)")
-    if len(intact) < len(found):
-        sys.exit(1)
-
-
-if __name__ == "__main__":
-    main()

@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from minidist.checkpoint import sharded as checkpoint
+from minidist.checkpoint import io as checkpoint
 from minidist.model import PRESETS
 
 

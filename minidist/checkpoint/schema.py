@@ -1,29 +1,16 @@
 """What a checkpoint's files must be before anything is built from them: the schema of
 meta.json, of each shard file, and the identity that binds a shard to its checkpoint.
-Chapter 08 (chapters/08_at_scale.md); minidist/checkpoint/io.py reads the files and asks
-these questions, minidist/checkpoint/sharded.py saves and loads. Exercised by:
+Chapter 08 (chapters/08_at_scale.md, its appendix says why each rule); io.py reads the
+files and asks these questions. Exercised by `pytest tests/test_checkpoint_trust.py`.
 
-    python -m minidist.checkpoint out/checkpoints      # each checkpoint: intact, or damaged and where
-    pytest tests/test_checkpoint_trust.py
-
-Trusted only when whole. meta.json is checked against a schema (types, ranges, and sizes
-bounded by the files on disk: the world size must be the number of shard files there)
-before anything is built from it, and each shard's contents before they are used: a file
-that is valid JSON but not a checkpoint's, or one whose numbers are absurd, is damaged,
-never a KeyError or a list of a billion names. A tensor's shape is bounded by the elements
-its pieces hold (they must cover it exactly once), so reading never allocates more than
-the files hold. Each function here returns what is wrong, as a sentence, or None.
-
-Identity (format 3). Checksums alone do not say which checkpoint a file belongs to: a
-shard copied from another checkpoint of the same run, or another rank's file renamed, is
-intact by its own checksums and would load as a mixture of two points in time. So every
-checkpoint gets a random id, written in meta.json, and each shard carries its identity
-(id, step, rank, world size) and a seal: the CRC-32 of that identity and of all its
-checksums, so of its bytes too. A shard whose identity is not its folder's is damage.
-
-The files decide the format, not meta.json's claim: a meta.json declaring an older format
-than its shards carry is damage, so an edit cannot skip a checksum by downgrading.
-Formats 1 (no checksums) and 2 (no identity) still load, with what checks they allow.
+Trusted only when whole: meta.json's types, ranges and sizes are bounded by the files on
+disk, each shard's contents checked before use, and a tensor's shape by the elements its
+pieces hold (covering it exactly once), so reading never allocates more than the files
+hold. Identity (format 3): every checkpoint has a random id, each shard carries (id, step,
+rank, world size) sealed by a CRC-32 over it and its checksums, so a shard copied from
+another checkpoint is damage. The files decide the format, not meta.json's claim; formats
+1 and 2 still load with the checks they allow. Each function returns what is wrong, as a
+sentence, or None.
 """
 
 from __future__ import annotations

@@ -3,43 +3,18 @@
 
     torchrun --standalone --nproc_per_node=4 minidist/train_gpt.py --zero-stage 2 --checkpoint-every 50
     torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --zero-stage 3 --resume auto
-    python -m minidist.checkpoint out/checkpoints      # intact or damaged, what each holds
 
 A checkpoint is a folder, out/checkpoints/step_00000100/: one file per rank that saved it,
-and a meta.json. Each rank writes only what it holds and nobody else does: its ZeRO shard
-of the optimizer state (at stage 3, of the parameters too), the momentum of the matrices
-it owns under Muon, its tensor-parallel slices (chapter 10), its share of what is
-replicated (balanced by bytes). No rank gathers the whole model, which at scale would not fit.
-
-What makes it independent of the world size is how a piece is named: not "rank 3's
-shard" but "elements [start, start + n) of the flattened tensor KEY", where KEY is a
-parameter's name ("model/blocks.0.attn.c_attn.weight") or one of its optimizer state's
-("optim0/blocks.0.attn.c_attn.weight/exp_avg"), always the full model's tensor. Resuming
-on M ranks, each rank works out which elements of which keys it now holds, and copies
-them from whichever pieces overlap them, whatever N, ZeRO stage and --tp wrote them
-(a slice by columns is a run of elements per row: minidist/checkpoint/slots.py, what a
-rank holds and who writes it). The files are memory-mapped, so a rank reads only the
-bytes it needs.
-
-Atomic: the ranks write into a hidden folder; once all have (a barrier), rank 0 writes
-meta.json and renames the folder into place. A rename is atomic, so a kill at any moment
-leaves the new checkpoint whole or no trace of it. Several nodes need a shared folder.
-
-Exact resume also needs the step (the data and the learning-rate schedule are functions
-of it), the loss scaler, each rank's RNG state, and the caller's `extra` (train_gpt: its
-settings and its log rows). Checksums of every piece and of meta.json, the identity that
-binds each file to its checkpoint, the schema meta.json must fit, the files' format and
-reading them: minidist/checkpoint/io.py.
-
-Only good states are kept. A run that diverged holds NaN or inf weights (or optimizer
-state, or loss scale); saved, that checkpoint would be the newest, and rotation would
-delete the good ones before it. So save() first checks that everything it would write is
-finite (one fused reduction per group of tensors, agreed across ranks in one all-reduce)
-and otherwise raises NonFiniteCheckpointError, writing nothing and deleting nothing.
-Rotation (keep=N) deletes only folders save() wrote, never the one just saved.
-
-What a resumed run may change, it changes: the loss scaler's settings (growth interval,
-hysteresis, ...) are the resuming run's, its state (scale, counters) the checkpoint's.
+and a meta.json. Each rank writes only what it holds (its ZeRO shards, the momentum of the
+matrices it owns under Muon, its tensor-parallel slices, its share of what is replicated);
+no rank gathers the whole model. A piece is named "elements [start, start + n) of the
+flattened full-model tensor KEY", so a run on M ranks finds which elements it now holds
+and copies them from whichever pieces overlap, whatever N, ZeRO stage and --tp wrote them
+(minidist/checkpoint/slots.py). Atomic: the ranks write into a hidden folder, and after a
+barrier rank 0 writes meta.json and renames it into place. Only finite states are saved
+(NonFiniteCheckpointError otherwise, nothing written or deleted); rotation deletes only
+folders save() wrote. The step, the scaler, each rank's RNG state and the caller's `extra`
+make the resume exact; the files, checksums and schema: minidist/checkpoint/io.py.
 """
 
 from __future__ import annotations
@@ -52,10 +27,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from minidist.checkpoint.io import (FORMAT, JUNK, MARKER, CheckpointError,  # noqa: F401 (also ours)
-                                    CheckpointPastEndError, Reader, atomic_write, check_step, fsync,
-                                    latest, list_checkpoints, main, prune, read_meta, shard_checksums,
-                                    shard_name, verify, why_failed, write_meta, written_by_minidist)
+from minidist.checkpoint.io import (FORMAT, JUNK, MARKER, CheckpointError, Reader, atomic_write, check_step,
+                                    fsync, prune, shard_checksums, shard_name, why_failed, write_meta,
+                                    written_by_minidist)
 from minidist.checkpoint.slots import Layout, PieceIndex
 from minidist.dist import barrier_or_failure, rank_and_world
 from minidist.checkpoint.faults import inject_fault
@@ -283,6 +257,3 @@ def load(path, model, optimizers, scaler=None, total_steps: int | None = None) -
             torch.cuda.set_rng_state(r.rng[rank]["cuda"])
     return meta
 
-
-if __name__ == "__main__":
-    main()

@@ -1,37 +1,19 @@
 """What a rank holds of a checkpoint's tensors, and which rank writes each piece.
-Chapter 08 (chapters/08_at_scale.md), with chapter 10's tensor-parallel shards
-(chapters/10_tensor_parallel.md); minidist/checkpoint/sharded.py saves and loads what this lists.
-Exercised by `pytest tests/test_checkpoint.py tests/test_checkpoint_tp.py` and by
+Chapter 08 (chapters/08_at_scale.md), with chapter 10's tensor-parallel shards. Exercised
+by `pytest tests/test_checkpoint.py tests/test_checkpoint_tp.py` and by
 
     torchrun --standalone --nproc_per_node=4 minidist/train_gpt.py --tp 2 --zero-stage 1 --checkpoint-every 50
     torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --tp 1 --resume auto   # the same run, resplit
 
-A checkpoint names a piece "elements [start, start + n) of the flattened full tensor KEY",
-whoever held it. What a rank holds of a tensor is a slot: a 1-D tensor here and its runs,
-(offset in the slot, start in the full tensor, n), the stretches where the slot's elements
-are consecutive in the full tensor too:
-
-    a replicated parameter, or ZeRO's piece [a, b) of one      one run
-    a tensor-parallel shard along dim 0 (rows [r0, r1))         one run: [r0 C, r1 C)
-      c_attn's q | k | v rows                                   three runs
-    a shard along dim 1 (columns [c0, c1) of an R x C matrix)    one run per row:
-                                                                 [i C + c0, i C + c1)
-    ZeRO's piece of a shard (in the shard's own flat order)    the shard's runs, cut to it
-
-So a tensor split by columns is saved as R row pieces on each rank: rows, never elements.
-A parameter marks itself as a shard with `p.tp_shard = (dim, ((start, stop), ...))`, the
-slice of the full tensor it holds (chapter 10's shard_param); the full size along `dim`
-is the largest stop on any rank, learned in one all-gather of these small specs, which
-also tells each rank its replicas: the ranks cut exactly like it (a dp x tp mesh: the dp
-ranks of its tp slice; every rank when nothing is cut).
-
-Who writes: of the ranks holding the same elements, exactly one, so the pieces cover each
-tensor once. A replicated parameter: one rank of the world; a shard: one of its replicas;
-both chosen largest first, each to the rank with the fewest bytes so far. Optimizer state
-follows its parameter: replicated (plain AdamW), the parameter's writer writes it; sharded
-over the replicas (ZeRO over dp, opt.state_pieces), each holder writes its pieces, of a
-replicated parameter only in the replicas its writer belongs to (the other tp slices' dp
-groups hold the same elements again, perhaps cut at other boundaries).
+What a rank holds of a tensor is a slot: a 1-D tensor and its runs (offset in the slot,
+start in the full tensor, n), where its elements are consecutive in the full tensor too:
+one run for a replicated parameter, ZeRO's piece or a row shard; one per row for a column
+shard (so such a tensor is saved as row pieces, never elements). A parameter marks itself
+a shard with `p.tp_shard = (dim, ((start, stop), ...))` (chapter 10's shard_param); one
+all-gather of these specs gives each rank the full sizes and its replicas. Who writes: of
+the ranks holding the same elements exactly one, chosen largest first to the rank with
+the fewest bytes so far; optimizer state follows its parameter (ZeRO's holders write their
+own pieces, within the replicas of the parameter's writer).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ each file under the chapter that teaches the join:
     mesh.py           the dp x tp mesh and its gradient sync      chapter 10
     pipeline_sync.py  a stage's sync over dp and tp, eval, sampling  chapter 11
     plan_mesh.py      the planner on three axes                   chapter 11
+    build.py          a run built from all of them: optimizers, gradient sync, the step  chapters 03-11
 """
 
 

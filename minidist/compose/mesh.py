@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from minidist.ddp import clip_to_global_norm
+from minidist.sync import GradientSync
 
 
 def coords(rank: int, dp: int, tp: int, pp: int = 1) -> tuple[int, int, int]:
@@ -106,8 +106,8 @@ def make_mesh(tp: int = 1, pp: int = 1) -> Mesh:
     return Mesh(dp, tp, pp, rank, dp_rank, tp_rank, pp_rank, mine["dp"], mine["tp"], mine["pp"])
 
 
-class MeshSync:
-    """The gradient-sync interface (minidist/ddp.py) of a dp x tp mesh: `inner`, a DDP or a
+class MeshSync(GradientSync):
+    """The gradient-sync interface (minidist/sync.py) of a dp x tp mesh: `inner`, a DDP or a
     ZeRO optimizer over the dp group, averages each tensor-parallel shard with the same
     shard on the other replicas; what tensor parallelism adds is the norm for clipping.
     A parameter split over the tp ranks (chapter 10's shards carry `tp_shard`) has a
@@ -137,7 +137,3 @@ class MeshSync:
 
     def scale_grads(self, coef) -> None:
         self.inner.scale_grads(coef)
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        self.finish_gradient_synchronization()
-        return clip_to_global_norm(self.grad_square_sum(), max_norm, self.scale_grads)

@@ -21,21 +21,18 @@ the parameters for every micro-batch.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from minidist.ddp import (allreduce_gradients_flat, allreduce_gradients_naive, clip_to_global_norm,
-                          grad_square_sum, scale_grads, unique_params)
+from minidist.ddp import ReplicaSync, allreduce_gradients_flat, allreduce_gradients_naive, unique_params
 from minidist.pipeline import Stage, exchange
 from minidist.tensor_parallel.gpt import plain_layout
 
 
-class PipelineSync:
-    """The gradient-sync interface (minidist/ddp.py) of one pipeline stage. `dp_group`: the
-    replicas of this stage; `flat`: one all-reduce of a flat buffer (else one per parameter);
+class PipelineSync(ReplicaSync):
+    """The gradient-sync interface (minidist/sync.py) of one pipeline stage, replicated on
+    the ranks of `dp_group`; `flat`: one all-reduce of a flat buffer (else one per parameter);
     `zero`: a ZeRO-1 ShardedOptimizer (reduce_gradients=False) over the same group, whose
     shards are filled from the averaged gradients. The norm for clipping is the whole
     model's: each stage's squares summed over the pipeline group, the tied embedding (the
@@ -44,15 +41,12 @@ class PipelineSync:
     replicated parameter counted once (1/t on each of its t ranks), as MeshSync does."""
 
     def __init__(self, stage: Stage, dp_group=None, flat: bool = True, zero=None):
-        self.stage, self.group, self.flat, self.zero = stage, dp_group, flat, zero
+        self.stage = self.module = stage  # the module ReplicaSync's norm and scaling read
+        self.group, self.flat, self.zero = dp_group, flat, zero
         self.tp_group = stage.tp_group
         self.t = 1 if self.tp_group is None else dist.get_world_size(self.tp_group)
         self._in_zero = set() if zero is None else {id(p) for u in zero.units for p in u.params}
         self.tied = stage.wte.weight if stage.tied_peer is not None else None
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        yield  # backward never communicates over dp here: averaging waits for the step's end
 
     def finish_gradient_synchronization(self) -> None:
         """Average over the replicas; call once per step, after pipeline_step (a second call
@@ -72,7 +66,7 @@ class PipelineSync:
     def grad_square_sum(self, weight=None) -> torch.Tensor:
         w = self._weight(weight)
         if self.zero is None:
-            sq = grad_square_sum(self.stage, w)  # averaged: the same on every replica
+            sq = super().grad_square_sum(w)  # averaged: the same on every replica
         else:  # ZeRO's shards (summed over dp), plus what it does not hold (Muon's matrices)
             sq = self.zero.grad_square_sum(w) + sum(
                 (w(p) * p.grad.double().square().sum() for p in unique_params(self.stage)
@@ -84,12 +78,9 @@ class PipelineSync:
         return sq[0]
 
     def scale_grads(self, coef) -> None:
-        scale_grads(self.stage, coef)
+        super().scale_grads(coef)
         if self.zero is not None:
             self.zero.scale_grads(coef)
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        return clip_to_global_norm(self.grad_square_sum(), max_norm, self.scale_grads)
 
 
 def _through(stage: Stage, x: torch.Tensor) -> torch.Tensor | None:

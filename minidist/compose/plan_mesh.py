@@ -1,54 +1,35 @@
-"""The planner on three axes, Chapter 11 (chapters/11_pipeline.md, "Choosing dp x tp x pp"):
-for a model, a world of ranks and a memory budget per rank, the mesh dp x tp x pp, the ZeRO
-stage, the micro-batches, sequence parallelism and recomputation that fit, at the least
-modelled step time. It extends chapter 09's planner (minidist/memory/plan.py, one axis). Exercised by
+"""The planner on three axes, Chapter 11 (chapters/11_pipeline.md, section 8, "Choosing dp x
+tp x pp"; in detail, its appendix, section B): for a model, a world of ranks and a memory
+budget per rank, the mesh dp x tp x pp, the ZeRO stage, the micro-batches, sequence
+parallelism and recomputation that fit, at the least modelled step time. It extends chapter
+09's planner (minidist/memory/plan.py, one axis). Exercised by
 
     python -m minidist.compose.plan_mesh --preset gpt2 --world-size 8 --budget-gb 80
     pytest tests/test_plan_mesh.py
 
-What is traded against what. Data parallelism copies the whole model (or shards its
-states, ZeRO) and averages gradients once a step; tensor parallelism splits every layer and
-all-reduces activations inside every layer, on the critical path; pipeline parallelism
-splits the layers into stages and passes one activation per micro-batch, at the price of
-the bubble, (p - 1) / (m + p - 1) of the step (Narayanan et al., 2021), and of the first
-stage holding p micro-batches in flight under 1F1B. Recomputation and sequence parallelism
-buy memory with compute and bytes.
-
 A plan: (tp, pp), dp = world / (tp pp); ZeRO stage z; m micro-batches of B = batch / (dp m)
-sequences (the global batch must split over the world, so every mesh is a candidate);
-recomputation on or off; sequence parallelism (tp > 1). Always 1F1B: GPipe has the same
-bubble and holds m micro-batches, never fewer. train_gpt's rules (minidist/run/flag_checks.py):
-tp divides n_head, pp <= n_layer, ZeRO-2/3 only without a pipeline, ZeRO-3 only without tp.
+sequences; recomputation; sequence parallelism (tp > 1); always 1F1B (GPipe has the same
+bubble and holds m micro-batches). The meshes and stages allowed: train_gpt's rules
+(minidist/run/flag_checks.py). Memory per rank: minidist.memory.step_memory told the rank's
+tp slice, its stage's blocks and ends and its micro-batches in flight; the most loaded stage
+is the first (the most blocks and micro-batches in flight) or the last (the head, the logits).
 
-Memory per rank: chapter 09's model, minidist.memory.step_memory, given the rank's slice of
-the model (tp), its stage's blocks and ends (pipeline.split_layers) and its micro-batches in
-flight (pipeline_measure.in_flight_formula); the activations under tp and sp are Korthikanti
-et al.'s (2022) split, counted for minidist in cost_model.block_activation_bytes. The most
-loaded stage is the first or the last: the first holds at least as many blocks, parameters
-and micro-batches in flight as any middle stage; the last holds the head and the logits.
-
-Price, compared in this order (`Plan.price`):
-1. the modelled step time on cost_model.Hardware (8 H100s a node by default), the slowest
-   stage's: its compute (the step's FLOPs / world, + recomputation's forward), stretched
-   by the bubble; tp's all-reduces (all exposed, as tensor_parallel_cost.tp_step_time);
-   pp's sends, exposed; the gradient sync over dp, hidden behind the last backward as
-   chapter 08's cost model has it without a pipeline (cost_model.exposed_time), exposed with
-   one (a stage averages one flat buffer after the step, minidist.compose.pipeline_sync);
-2. the bubble; 3. bytes sent per rank per step; 4. recomputation; 5. sequence parallelism;
-6. fewer micro-batches; 7. the lower ZeRO stage; 8. fewer stages; 9. less tp.
-Bytes as minidist sends them: fp32 gradients and pipeline activations, tp's activations in
-autocast's dtype. Left out: recomputation repeating tp's forward all-reduces; stages assumed
-equal in time (section 3 of the chapter shows what the head adds).
-
-The search. In a family (mesh, z, recomputation, sp), once m >= p each stage holds p - s
-micro-batches of B = share / m in flight whatever m, so memory never grows with m: a binary
-search finds the smallest m >= p that fits; each m < p is checked. tests/test_plan_mesh.py
-holds the result equal to a search of every configuration that weighs every stage.
+Price (`Plan.price`, in order): the slowest stage's modelled step on cost_model.Hardware (its
+compute, with recomputation's forward, stretched by the bubble; tp's all-reduces and pp's
+sends, exposed; the dp gradient sync hidden behind the last backward without a pipeline,
+exposed with one, which averages after the step); then the bubble, bytes sent,
+recomputation, sequence parallelism, fewer micro-batches, the lower ZeRO stage, fewer
+stages, less tp. Bytes as minidist sends them (fp32 gradients and activations between
+stages, tp's in autocast's dtype). Left out: recomputation repeating tp's forward
+all-reduces; stages assumed equal in time (the chapter's section 3 shows what the head adds).
+The search, per family (mesh, z, recomputation, sp): best_per_family; tests/test_plan_mesh.py
+holds its result equal to a search of every configuration that weighs every stage.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import math
 from dataclasses import dataclass, replace
 
@@ -58,8 +39,7 @@ from minidist.memory import step_memory
 from minidist.model import PRESETS, GPTConfig, config_num_params, flops_per_token
 from minidist.pipeline import split_layers
 from minidist.pipeline.measure import bubble_formula, in_flight_formula
-from minidist.memory.plan import (AUTO_FLAGS, PlanError, check_sizes, default_budget_gb, model_of,
-                           recompute_flops_fraction)
+from minidist.memory.plan import PlanError, check_sizes, recompute_flops_fraction
 from minidist.tensor_parallel.cost import comm_bytes as tp_comm_bytes
 
 
@@ -114,9 +94,8 @@ def micro_options(batch: int, dp: int) -> list[int]:
 
 def stage_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, s, precision="bf16", bucket_cap_mb=25.0):
     """step_memory's peak on stage s of the pipeline (bytes)."""
-    cut = split_layers(cfg.n_layer, pp)[s]
     return step_memory(cfg, batch // (dp * m), seq_len, dp, zero, ck, precision, bucket_cap_mb, tp=tp,
-                       sequence_parallel=sp, blocks=len(cut), first=s == 0, last=s == pp - 1,
+                       sequence_parallel=sp, blocks=len(split_layers(cfg.n_layer, pp)[s]), first=s == 0, last=s == pp - 1,
                        in_flight=in_flight_formula("1f1b", pp, s, m))["peak"]
 
 
@@ -171,8 +150,7 @@ def _dp_sync(cfg, psi, dp, tp, pp, zero, m, compute, hw, bucket_cap_mb):
     return sent, hidden + (k * collective_time("all_gather", size / k, dp, hw, span) if zero else 0)
 
 
-def evaluate(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision="bf16", hw=None,
-             bucket_cap_mb=25.0) -> Plan:
+def evaluate(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision="bf16", hw=None, bucket_cap_mb=25.0) -> Plan:
     step_s, sent = price(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision, hw, bucket_cap_mb)
     peak = peak_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision, bucket_cap_mb)
     return Plan(dp, tp, pp, zero, m, ck, sp, batch // (dp * m), peak, step_s, bubble_formula(pp, m), sent)
@@ -190,17 +168,13 @@ def families(cfg: GPTConfig, seq_len: int, world: int):
 def best_per_family(cfg, batch, seq_len, world, budget_gb, precision="bf16", hw=None, bucket_cap_mb=25.0):
     """For every family, its cheapest plan that fits (None where none does)."""
     check_sizes(batch, seq_len, world, budget_gb)
-    args = (precision, bucket_cap_mb)
     for dp, tp, pp, zero, ck, sp in families(cfg, seq_len, world):
         def fits(m):
-            return peak_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, *args) <= budget_gb * GB
+            return peak_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision, bucket_cap_mb) <= budget_gb * GB
         ms = micro_options(batch, dp)
         few = [m for m in ms if m < pp]  # in flight: m, so memory may grow with m: each is checked
         many = [m for m in ms if m >= pp]  # in flight: p - s whatever m: memory falls as m grows
-        lo, hi = 0, len(many)  # binary search for the first that fits
-        while lo < hi:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if fits(many[mid]) else (mid + 1, hi)
+        lo = bisect.bisect_left(many, True, key=fits)  # binary search for the first that fits
         best = None
         for m in [m for m in few if fits(m)] + many[lo:]:
             step_s, sent = price(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision, hw, bucket_cap_mb)
@@ -216,13 +190,9 @@ def plan_mesh(cfg: GPTConfig, batch: int, seq_len: int, world: int, budget_gb: f
     fits = [c for _, c in best_per_family(cfg, batch, seq_len, world, budget_gb, precision, hw, bucket_cap_mb) if c]
     if not fits:
         raise PlanError(_nothing_fits(cfg, batch, seq_len, world, budget_gb, precision, bucket_cap_mb))
-    fits.sort(key=Plan.price)
-    best = fits[0]
-    line = explain(best, budget_gb)
-    other = next((c for c in fits if (c.dp, c.tp, c.pp) != (best.dp, best.tp, best.pp)), None)
-    if other is not None:
-        line += f"; next best mesh: {other.mesh()}, {1e3 * other.step_s:.1f} ms"
-    return best, line
+    best, *rest = sorted(fits, key=Plan.price)
+    other = next((c for c in rest if c.mesh() != best.mesh()), None)
+    return best, explain(best, budget_gb) + (f"; next best mesh: {other.mesh()}, {1e3 * other.step_s:.1f} ms" if other else "")
 
 
 def plan_on_mesh(cfg, batch, seq_len, dp, tp, pp, budget_gb, precision="bf16", sp=False, zeros=None,
@@ -245,25 +215,6 @@ def plan_on_mesh(cfg, batch, seq_len, dp, tp, pp, budget_gb, precision="bf16", s
                         f"needs {least.peak / GB:.1f} GB; use more ranks, a shorter --seq-len, a smaller model "
                         "or a larger --memory-budget-gb")
     return min(fits, key=Plan.price), explain(min(fits, key=Plan.price), budget_gb)
-
-
-def resolve_auto(args, world: int, vocab_size: int) -> str | None:
-    """train_gpt's auto flags with --tp or --pp (chapter 09's planner, minidist.memory.plan, plans
-    the rest): the mesh is the command line's, dp = world / (tp pp); the ZeRO stage, the
-    micro-batches (--grad-accum-steps: the pipeline's m) and recomputation are chosen."""
-    if not any(getattr(args, a) == "auto" for a in AUTO_FLAGS):
-        return None  # (below: ZeRO stands on the bucketed DDP's layout, as in minidist.memory.plan)
-    zeros = tuple(z for z in zero_stages(args.tp, args.pp) if args.dp == "bucketed" or z == 0)
-    choice, line = plan_on_mesh(
-        model_of(args, vocab_size), args.batch_size, args.seq_len, world // (args.tp * args.pp), args.tp, args.pp,
-        args.memory_budget_gb or default_budget_gb(args.device), args.precision, args.sequence_parallel,
-        zeros if args.zero_stage == "auto" else (args.zero_stage,),
-        None if args.grad_accum_steps == "auto" else [args.grad_accum_steps],
-        (False, True) if args.activation_checkpointing == "auto" else (args.activation_checkpointing == "blocks",),
-        bucket_cap_mb=args.bucket_cap_mb)
-    args.zero_stage, args.grad_accum_steps = choice.zero, choice.micro
-    args.activation_checkpointing = "blocks" if choice.checkpointed else "none"
-    return line
 
 
 def explain(c: Plan, budget_gb: float) -> str:
@@ -296,8 +247,7 @@ def table(cfg, batch, seq_len, world, budget_gb, precision="bf16", hw=None) -> l
     for c in sorted(best.values(), key=Plan.price):
         yes = ["yes" if on else "no" for on in (c.sequence_parallel, c.checkpointed)]
         rows.append(f"  {c.mesh():22s} {c.zero:4d} {c.micro:4d} {c.micro_batch:4d} {yes[0]:>3s} {yes[1]:>3s} "
-                    f"{c.peak / GB:8.1f} {c.bubble:6.2f} "
-                    f"{sum(c.sent) / GB:8.2f} {1e3 * c.step_s:8.1f}")
+                    f"{c.peak / GB:8.1f} {c.bubble:6.2f} {sum(c.sent) / GB:8.2f} {1e3 * c.step_s:8.1f}")
     for dp, tp, pp in meshes(cfg, world):
         if (dp, tp, pp) not in best:
             rows.append(f"  {f'dp {dp} x tp {tp} x pp {pp}':22s} nothing fits {budget_gb:g} GB")

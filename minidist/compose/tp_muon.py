@@ -1,58 +1,22 @@
 """Muon on tensor-parallel matrices: why orthogonalising each shard alone is wrong, and two
 ways that are right. Chapter 10 (chapters/10_tensor_parallel.md), section "Muon on
-shards". Exercised by:
+shards", derives all of it. Exercised by:
 
     torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --tp 2    (CPU default: Muon)
     pytest -q tests/test_tensor_parallel_muon.py
 
-The subtlety. Muon's update is the orthogonalised momentum, about U V^T for M = U S V^T
-(chapter 07). That is not elementwise: t shards each orthogonalised alone are t
-orthogonal matrices side by side, not the slices of the whole's U V^T. The update then
-points elsewhere and is about sqrt(t) times too large, and it changes with the tp degree
-while training still runs: a silent bug. `shardwise_error` measures it in one process;
-TensorParallelMuon(method="shardwise") is that bug, kept to be measured.
-
-(a) method="gather": each shard of the momentum (in Newton-Schulz's dtype: the same bits
-as casting the whole) is all-gathered over the tp group and put back in the full layout
-(c_attn's shard is this rank's q, k and v rows: the full matrix is q|k|v of all ranks),
-every tp rank orthogonalises the whole matrix, exactly as one process would, and keeps
-its slice. Every rank rather than one owner that scatters the slices back: one collective
-instead of two in a row, and no rank waits for another's Newton-Schulz; the cost is t
-copies of the same work. (An owner per matrix, matrices dealt over the tp ranks as
-chapter 07 deals them, would do 1/t of the work and send 2/t of the bytes per rank.)
-
-(b) method="shards": Newton-Schulz on the shards themselves. One step is
-X <- a X + (b A + c A^2) X with the Gram matrix A = X X^T. Cut X by columns,
-X = [X_1 ... X_t]: then A = sum_r X_r X_r^T is a sum of per-shard Grams (one all-reduce
-of a small k x k matrix, k = the uncut side), and the step acts on each block alone,
-X_r <- a X_r + B X_r: no communication. Cut by rows (a column-parallel weight [out, in]
-split on out), transpose: X^T is cut by columns, and A = X^T X = sum_r X_r^T X_r, the
-Gram on the columns' side. The Gram on the *cut* side would need every pair X_r X_s^T:
-an all-gather. Newton-Schulz also transposes a tall matrix to iterate on the short side;
-the uncut side is that short side exactly when the cut runs along the long side, and
-Megatron's layout always cuts there: c_attn [3C, C] and the MLP's c_fc [4C, C] along
-their 3C and 4C rows, mlp.c_proj [C, 4C] along its 4C columns, attention's c_proj is
-square. (Cut along its short side the result is still right, with the larger Gram.)
-The Frobenius norm that starts the iteration is one all-reduced number. The Grams are
-summed in fp32 and rounded to the Newton-Schulz dtype once, as the whole matrix's
-product rounds once; summed in bf16 each partial sum would round too, and the result
-would lie as far from one process's as bf16's from fp32's (about 1e-2, measured on random
-matrices of the CPU model's shapes, against 1e-3 or less). The iteration's rounding is
-then one process's up to the order of fp32 sums, which bf16 amplifies through the five
-steps: (b) equals one process to bf16 rounding, and in fp32 to fp32 rounding
-(tests/test_tensor_parallel_muon.py).
-
-Bytes per matrix and step on each rank (`comm_bytes`): (a) an all-gather of the whole
-matrix, m n elements in the Newton-Schulz dtype; (b) ns_steps all-reduces of k x k fp32
-plus one number. On a ring (a) sends (t-1)/t m n x 2 bytes, (b) 2 (t-1)/t (5 k^2 + 1) x 4:
-(b) / (a) = 20 k / (the long side): for Megatron's shapes (a) sends fewer bytes, 5x fewer
-for c_fc, 20x for the square c_proj, at every t. (b) wins on work (1/t of the big
-products per rank) and memory (no whole matrix), on bytes only for matrices more than 20
-times longer than wide; and it talks ns_steps + 1 times per stack of matrices, (a) once.
-
-Data parallelism: Muon's own group is the dp group (chapter 07's owners, one matrix per
-rank per round); the tp ranks of one replica own the same matrices (the shards have the
-same shapes), so the tp collectives above run among owners only.
+The update is about U V^T of the whole momentum, not elementwise: t shards orthogonalised
+alone are t orthogonal blocks side by side, about sqrt(t) too large and pointing
+elsewhere (method="shardwise", the bug kept to be measured by `shardwise_error`).
+(a) method="gather": every tp rank all-gathers the momentum's shards (in Newton-Schulz's
+dtype), orthogonalises the whole matrix as one process would, and keeps its slice: one
+collective, t copies of the work. (b) method="shards": Newton-Schulz on the shards, whose
+step X <- a X + (b A + c A^2) X needs only the Gram A on the uncut side, a sum of
+per-shard Grams (one all-reduce of k x k, summed in fp32 and rounded once); Megatron's
+layout always cuts along the long side, so the uncut side is the short one Newton-Schulz
+iterates on. Bytes (`comm_bytes`): (b)/(a) = 20 k / (the long side), so (a) sends fewer
+for Megatron's shapes; (b) wins on work and memory. Muon's own group is the dp group; the
+tp ranks of one replica own the same matrices.
 """
 
 from __future__ import annotations

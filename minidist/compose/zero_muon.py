@@ -6,61 +6,42 @@ under ZeRO". Exercised by:
     pytest tests/test_muon_zero.py
 
 AdamW's parameters (embeddings, head, gains, biases) live in ZeRO's flat shards as without
-Muon. Muon's matrices stay outside ZeRO's units, whole and replicated (stages 1 and 2 keep
-every parameter whole on every rank anyway): Newton-Schulz needs a whole matrix, and a flat
-shard cuts matrices anywhere. Each matrix has an owner rank (minidist.muon.Muon.owners).
+Muon. Muon's matrices stay outside ZeRO's units: Newton-Schulz needs a whole matrix, and a
+flat shard cuts matrices anywhere. Each matrix has an owner rank (minidist.muon.Muon.owners).
 
 The gradients reach the owners by an owner-aligned reduce-scatter: the matrices, dealt out
-largest first, make rounds of one matrix per rank; each round is one slot per rank, as
-long as the round's largest matrix plus a flag, and rank r's part of the buffer holds, in
-each round's slot, the gradient of the matrix rank r owns. A reduce-scatter that averages
-then leaves every rank exactly its own matrices' averaged gradients: the bytes of ZeRO's
-reduce-scatter, Psi_muon (N - 1) / N. The other ranks' copies are freed at once (at stage 1
-too: nothing needs them). The owner computes momentum and Newton-Schulz, and Muon's own
-all-gather per bucket of rounds hands every rank the updates (minidist/muon/optimizer.py): Psi_muon
-(N - 1) / N more, so 2 Psi (N - 1) / N in all, as AdamW under ZeRO. (The updates travel in
-Muon's Newton-Schulz precision, bf16 by default: half the bytes of an fp32 all-gather.)
+largest first, make rounds of one matrix per rank, each round one slot per rank (its
+largest matrix plus a flag), and rank r's part of the buffer holds, in each round's slot,
+the gradient of the matrix rank r owns. Averaging it leaves every rank exactly its own
+matrices' averaged gradients, for ZeRO's bytes; the owners' updates come back through
+Muon's all-gather (minidist/muon/optimizer.py). The byte counts are chapter 07's, section
+7 and appendix H (minidist.cost_model.muon_comm_volume).
 
 Stage 3 (MuonUnderZero3) keeps no parameter whole at rest, Muon's matrices included: the
-ZeRO-3 optimizer shards and gathers them like every parameter (in units of their own,
-built with others=), but leaves their gradients and their update to Muon. The owners and
-the rounds are the same as above; each bucket of rounds is reduce-scattered to its owners
-during backward, once its last gradient is in and the buckets before it in one fixed
-order (start_order, the same on every rank) have started, so full-size gradients do not
-outlive their bucket (every micro-step: stage 3 keeps no full gradient to accumulate
-into, so the owners add the averaged ones up). An update must then reach only the ranks
-whose shards hold a piece of its matrix: ShardedMuon's step, one all-to-all per step,
-owner to holder, a flag and the piece; each rank applies the pieces it gets to its
-shards (weight decay and the update are elementwise, so a piece is updated as the whole
-would be). Bytes per rank:
-ZeRO-3's gathers and reduce-scatters as for AdamW (Muon's reduce-scatter to owners sends
-what ZeRO's to shards would), plus the all-to-all, Psi_muon (N - 1) / N^2 on average in
-bf16 (minidist.cost_model.muon_comm_volume).
+ZeRO-3 optimizer shards and gathers them (in units of their own, built with others=), but
+leaves their gradients and their update to Muon. Each bucket of rounds is reduce-scattered
+to its owners during backward, in one fixed order (start_order, the same on every rank),
+every micro-step (the owners add them up); ShardedMuon's step then sends each piece of an
+update, owner to holder, in one all-to-all.
 
-MuonUnderZero is the one gradient-sync object of such a run (minidist/ddp.py's interface):
-no_sync() lets Muon's gradients accumulate whole until the last micro-step, so they cross
-the wire once per step; finish_gradient_synchronization() finishes ZeRO's reduce-scatters
-and then runs Muon's; clip_grad_norm_() clips by the norm of the whole averaged gradient,
-ZeRO's shards and the owners' matrices, squares summed across ranks. After it the loss
-scaler's unscale_(muon) sees the owners' averaged gradients (and its MAX across ranks tells
-every rank about an overflow only an owner can see).
+MuonUnderZero is the one gradient sync of such a run (minidist/sync.py): no_sync() lets
+Muon's gradients accumulate whole until the last micro-step, so they cross the wire once
+per step; finish_gradient_synchronization() finishes ZeRO's reduce-scatters, then Muon's;
+the norm for clipping sums ZeRO's shards and the owners' matrices across ranks. After it
+the loss scaler's unscale_(muon) sees the owners' averaged gradients (and its MAX across
+ranks tells every rank about an overflow only an owner can see).
 
-Built with public calls, the stage decided once (by the ZeRO optimizer's
-`shards_parameters`): muon_for_zero(zero, matrices, ...) gives the Muon (a ShardedMuon at
-stage 3), muon_under_zero(zero, muon) the gradient sync; the training loop then calls
-sync.finish_gradient_synchronization(), sync.clip_grad_norm_() and each optimizer's
-step(), and nothing is installed into Muon.
+Built with public calls, the stage decided once (zero.shards_parameters): muon_for_zero(zero,
+matrices, ...) gives the Muon, muon_under_zero(zero, muon) the sync; nothing is installed in Muon.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 
-from minidist.ddp import clip_to_global_norm
 from minidist.muon import Muon, RoundBucket, adjust_lr, plan_buckets
+from minidist.sync import GradientSync
 
 __all__ = ["muon_for_zero", "muon_under_zero", "MuonUnderZero", "MuonUnderZero3", "ShardedMuon",
            "reduce_to_owners"]
@@ -124,12 +105,9 @@ def reduce_to_owners(muon: Muon) -> None:
             p.grad = grad
 
 
-class MuonUnderZero:
-    """The gradient-sync interface (no_sync, finish_gradient_synchronization,
-    clip_grad_norm_) of a ZeRO optimizer at stage 1 or 2 beside a Muon that holds the
-    hidden matrices; see the module docstring. As with every gradient sync, the training
-    loop calls finish_gradient_synchronization() before the optimizers step
-    (minidist.train.forward_backward does): Muon steps on the owners' averaged gradients."""
+class MuonUnderZero(GradientSync):
+    """The gradient sync of a ZeRO optimizer at stage 1 or 2 beside a Muon that holds the
+    hidden matrices (see the module docstring): Muon steps on the owners' averaged gradients."""
 
     def __init__(self, zero, muon: Muon):
         if zero.shards_parameters:
@@ -143,11 +121,10 @@ class MuonUnderZero:
     def _on_grad(self, p) -> None:
         self._fresh = True
 
-    @contextlib.contextmanager
     def no_sync(self):
-        """ZeRO's no_sync; Muon's gradients simply accumulate, whole, until the reduction."""
-        with self.zero.no_sync():
-            yield
+        """ZeRO's no_sync; Muon's gradients accumulate whole until the reduction (at stage 3
+        ZeRO's is a no-op: every micro-step reduces, and the owners' sums add up)."""
+        return self.zero.no_sync()
 
     def finish_gradient_synchronization(self) -> None:
         """ZeRO's shards complete, then Muon's gradients averaged onto their owners (once per
@@ -157,29 +134,22 @@ class MuonUnderZero:
             self._fresh = False
             reduce_to_owners(self.muon)
 
-    def _muon_grads(self) -> list[torch.Tensor]:
-        return [p.grad for g in self.muon.param_groups for p in g["params"] if p.grad is not None]
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the global norm of the whole averaged gradient: the squares of ZeRO's
-        shards and of the matrices this rank owns, summed across ranks (each element is
-        held by exactly one rank)."""
-        self.finish_gradient_synchronization()
-        return clip_to_global_norm(self.grad_square_sum(), max_norm, self.scale_grads)
+    def _muon_grads(self) -> list:
+        return [(p, p.grad) for g in self.muon.param_groups for p in g["params"] if p.grad is not None]
 
     def grad_square_sum(self, weight=None) -> torch.Tensor:
+        """The squares of ZeRO's shards and of the matrices this rank owns, summed across
+        ranks (each element is held by exactly one rank)."""
         sq = self.zero.local_grad_square_sum(weight) + sum(
-            (1.0 if weight is None else weight(p)) * p.grad.double().square().sum()
-            for g in self.muon.param_groups for p in g["params"] if p.grad is not None)
+            (1.0 if weight is None else weight(p)) * grad.double().square().sum() for p, grad in self._muon_grads())
         sq = torch.as_tensor(sq, dtype=torch.float64).reshape(1)
         dist.all_reduce(sq, group=self.zero.group)
         return sq[0]
 
     def scale_grads(self, coef) -> None:
         self.zero.scale_grads(coef)
-        for g in self._muon_grads():
-            g.mul_(coef)
+        for _, grad in self._muon_grads():
+            grad.mul_(coef)
 
     def state_bytes(self) -> dict:
         """Optimizer state this rank holds: Muon's momentum of the matrices it owns, and
@@ -191,12 +161,8 @@ class MuonUnderZero:
 
 class MuonUnderZero3(MuonUnderZero):
     """Muon beside ZeRO-3 (see the module docstring): `zero` a FullyShardedOptimizer built
-    with others=Muon's matrices, which it shards and gathers as every parameter but whose
-    gradients it leaves to this object. Matrices are dealt to owners as at stages 1-2; each
-    bucket of rounds is reduce-scattered to its owners during backward, as soon as its
-    last gradient is in (a matrix's full-size gradient lives until then), and the owners
-    keep the sums across micro-steps. `muon` is a ShardedMuon (muon_for_zero builds it):
-    its step sends the owners' updates to the shards' holders."""
+    with others=Muon's matrices, `muon` a ShardedMuon (muon_for_zero builds both). A
+    matrix's full-size gradient lives until its bucket is reduce-scattered."""
 
     def __init__(self, zero, muon: Muon):
         if not zero.shards_parameters:
@@ -245,10 +211,6 @@ class MuonUnderZero3(MuonUnderZero):
                 self.sums[p] = grad.clone() if p not in self.sums else self.sums[p].add_(grad)
         self.pending.clear()
 
-    def no_sync(self):
-        """ZeRO-3's (a no-op): every micro-step reduces; the owners' sums add up."""
-        return self.zero.no_sync()
-
     def finish_gradient_synchronization(self) -> None:
         """ZeRO's shards complete; the owners' summed gradients become their .grad."""
         self.zero.finish_gradient_synchronization()
@@ -258,13 +220,11 @@ class MuonUnderZero3(MuonUnderZero):
 
 
 class ShardedMuon(Muon):
-    """Muon for matrices a ZeRO-3 optimizer shards: ShardedMuon(params, zero, **Muon's
-    arguments), `zero` a FullyShardedOptimizer built with others=params. The owners are
-    Muon's; the gradients reach them through MuonUnderZero3. step(): each owner computes
-    its matrices' updates (Muon.owned_updates), one all-to-all sends each piece, with a
-    flag, to the rank whose shard holds it, and each rank applies what it gets to its
-    shards (weight decay and the update are elementwise: a piece is updated as the whole
-    would be)."""
+    """Muon for matrices a ZeRO-3 optimizer shards (`zero`, built with others=params); the
+    gradients reach the owners through MuonUnderZero3. step(): the owners' updates
+    (Muon.owned_updates), one all-to-all sends each piece, with a flag, to the rank whose
+    shard holds it (weight decay and the update are elementwise: a piece is updated as the
+    whole would be)."""
 
     def __init__(self, params, zero, **kwargs):
         super().__init__(params, **kwargs)

@@ -6,6 +6,7 @@ Read in this order:
     plan.py       the planner: ZeRO stage, micro-steps and recomputation for a budget
 """
 
-from minidist.cost_model import (activation_bytes, block_activation_bytes, head_activation_bytes,  # chapter 09's
-                                 zero3_gathered_bytes)  # formulas, beside the tables of chapter 08's cost model
+# chapter 09's formulas live beside the rest of the cost model's
+from minidist.cost_model import (activation_bytes, block_activation_bytes, head_activation_bytes, model_state_bytes,
+                                 zero3_gathered_bytes)
 from minidist.memory.estimate import count_saved_bytes, gib, measure_peak, step_memory, storages_now

@@ -166,36 +166,6 @@ def _nothing_fits(cfg, batch, seq_len, world, budget_gb, precision, stages, buck
     return msg + "; use a shorter --seq-len, a smaller model, or a larger --memory-budget-gb"
 
 
-AUTO_FLAGS = ("zero_stage", "grad_accum_steps", "activation_checkpointing")
-
-
-def model_of(args, vocab_size: int) -> GPTConfig:
-    """The model train_gpt's flags build: the preset, with --n-layer/--n-head/--n-embd."""
-    return GPTConfig(**{**PRESETS[args.preset], "block_size": args.seq_len, "vocab_size": vocab_size,
-                        **{k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd") if getattr(args, k) is not None}})
-
-
-def resolve_auto(args, world: int, vocab_size: int) -> str | None:
-    """train_gpt's `auto` flags (--zero-stage, --grad-accum-steps, --activation-checkpointing)
-    filled in by the planner; returns its line of reasoning (None when nothing was auto).
-    With --tp or --pp, minidist.compose.plan_mesh.resolve_auto plans on that mesh instead."""
-    if not any(getattr(args, a) == "auto" for a in AUTO_FLAGS):
-        return None
-    cfg = model_of(args, vocab_size)
-    # what flags.py allows with ZeRO; with Muon the plan counts AdamW's two moments for every
-    # parameter where Muon keeps one for its matrices: an over-estimate, on the safe side
-    zero_ok = args.dp == "bucketed"
-    stages = ((0, 1, 2, 3) if zero_ok else (0,)) if args.zero_stage == "auto" else (args.zero_stage,)
-    accums = None if args.grad_accum_steps == "auto" else [args.grad_accum_steps]
-    ckpts = (False, True) if args.activation_checkpointing == "auto" else (args.activation_checkpointing == "blocks",)
-    budget = args.memory_budget_gb or default_budget_gb(args.device)
-    choice, line = plan(cfg, args.batch_size, args.seq_len, world, budget, args.precision, stages, accums,
-                        ckpts, args.bucket_cap_mb)
-    args.zero_stage, args.grad_accum_steps = choice.stage, choice.accum
-    args.activation_checkpointing = "blocks" if choice.checkpointed else "none"
-    return line
-
-
 # ------------------------------------------------------------------ recomputation's price
 
 def recompute_flops_fraction(cfg: GPTConfig, seq_len: int) -> float:

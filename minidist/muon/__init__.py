@@ -1,8 +1,9 @@
 """Chapter 07, Muon (chapters/07_muon.md): momentum orthogonalised by Newton-Schulz, the work
 dealt over the ranks. Read in this order:
 
-    orthogonalize.py  Newton-Schulz, one matrix or a batch of same-shaped ones
-    optimizer.py      Muon, its distributed rounds, and the split of a model's parameters
+    plain.py          the plain form (the book's chapter 07): Newton-Schulz, Muon, one round at a time
+    orthogonalize.py  Newton-Schulz, one matrix or a batch of same-shaped ones, two coefficient choices
+    optimizer.py      Muon as training runs it: rounds in overlapped buckets; the split of a model's parameters
 
 Muon beside ZeRO's shards and on tensor-parallel shards combine two ideas: minidist/compose/.
 """

@@ -5,24 +5,15 @@
     python -m minidist.bench muon
     pytest tests/test_muon.py
 
-Muon (Jordan et al., 2024) updates each hidden weight matrix W with the momentum of its
-gradient made orthogonal: M = U S V^T becomes (nearly) U V^T, every singular value set
-to about 1, so the step moves W the same distance along every direction the gradient
-points in, instead of mostly along the few with large singular values. The
-orthogonalisation is minidist/muon/orthogonalize.py's few matrix products.
+Muon (Jordan et al., 2024) updates each hidden weight matrix with the momentum of its
+gradient made orthogonal (M = U S V^T becomes about U V^T) by minidist/muon/orthogonalize.py.
 
-Distributed: every rank holds the same averaged gradients (data parallelism), so every
-rank could orthogonalise every matrix, N times the same work. Instead each matrix has an
-owner rank: the owner keeps its momentum (1/N of the optimizer state per rank) and
-computes its update, and an all-gather hands every rank every update. Matrices are dealt
-out by cost, largest first, one per rank per round, so a round's matrices are alike in
-size. Two forms of that step, the plain one first:
-- `Muon.step_round_by_round()`: each rank orthogonalises its matrix of the round, then
-  one all-gather per round;
-- `Muon.step()`, what training uses: the same arithmetic, rounds packed in buckets of about
-  4 MB ("packing" below), each bucket's all-gather overlapping the next one's Newton-Schulz.
-Under ZeRO the gradients reach the owners by a reduce-scatter instead of DDP's all-reduce,
-and at stage 3 the updates go only to the shards' holders: minidist/compose/zero_muon.py.
+Distributed: each matrix has an owner rank that keeps its momentum and computes its
+update, and an all-gather hands every rank every update. The plain form, one round of N
+matrices and one all-gather at a time, is minidist/muon/plain.py (read it first). Muon.step
+is the same arithmetic, rounds packed in buckets of about 4 MB ("packing" below), each
+bucket's all-gather overlapping the next one's Newton-Schulz. Under ZeRO, gradients reach their
+owners by a reduce-scatter, and at stage 3 updates go only to the shards' holders: compose/.
 
 Which parameters belong to Muon is decided once (split_params) and checked after the
 first step (check_routing): a wrong routing trains silently with the wrong optimizer.
@@ -43,12 +34,10 @@ __all__ = ["NS_COEFFICIENTS", "newton_schulz", "adjust_lr", "Muon", "RoundBucket
 
 
 def adjust_lr(lr: float, shape, how: str | None = None) -> float:
-    """The learning rate for a matrix of `shape` (rows = fan-out, cols = fan-in).
-
-    "original" (None): sqrt(max(1, rows/cols)), so tall matrices are not under-updated.
-    "match_rms_adamw": 0.2 * sqrt(max(rows, cols)): the update's RMS then matches a typical
-    AdamW update's (about 0.2), so AdamW's learning rate and weight decay carry over
-    (Liu et al., 2025, "Muon is Scalable for LLM Training")."""
+    """The learning rate for a matrix of `shape` (rows = fan-out, cols = fan-in). "original"
+    (None): times sqrt(max(1, rows/cols)), so tall matrices are not under-updated.
+    "match_rms_adamw": times 0.2 sqrt(max(rows, cols)), the RMS of a typical AdamW update, so
+    AdamW's learning rate and weight decay carry over (Liu et al., 2025, "Muon is Scalable")."""
     rows, cols = shape[0], shape[1]
     if how in (None, "original"):
         return lr * math.sqrt(max(1.0, rows / cols))
@@ -61,10 +50,8 @@ class Muon(torch.optim.Optimizer):
     """Muon for 2-D parameters, as torch.optim.Muon, spread over ranks when a process group
     of more than one rank exists (or `group` is given). `ns_dtype` is the Newton-Schulz
     precision, `ns_coefficients` "jordan" (torch's), "polar_express" or a tuple (a, b, c).
-    `batched`: matrices of one shape are orthogonalised in one batched chain (on this CPU
-    the same bits as one by one; `batched=False` is the one-by-one path). In a distributed
-    run, call step() on every rank (it is a collective); `bucket_mb` is about how many
-    bytes of updates each all-gather carries (at least one round)."""
+    `batched`: matrices of one shape in one batched chain (False: one by one). Distributed,
+    step() is a collective; `bucket_mb`: about the bytes each all-gather carries."""
 
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                  weight_decay: float = 0.0, ns_steps: int = 5, adjust_lr_fn: str | None = None,
@@ -98,20 +85,17 @@ class Muon(torch.optim.Optimizer):
     # ------------------------------------------------------------ the owner's work
 
     def _momentum(self, p: torch.Tensor, g: dict) -> torch.Tensor:
-        """Update p's momentum (an exponential moving average of gradients) and return the
-        matrix to orthogonalise (Nesterov looks one step ahead). Only p's owner runs this."""
+        """Update p's momentum and return the matrix to orthogonalise (Nesterov looks ahead)."""
         buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
         buf.lerp_(p.grad, 1 - g["momentum"])  # buf = m buf + (1 - m) grad
         return p.grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
 
     def _update(self, p: torch.Tensor, g: dict) -> torch.Tensor:
-        """One matrix's update, the simple form: momentum, then Newton-Schulz."""
-        return newton_schulz(self._momentum(p, g), g["ns_steps"], self.ns_dtype,
-                             coefficients=g["ns_coefficients"])
+        """One matrix's update: momentum, then Newton-Schulz."""
+        return newton_schulz(self._momentum(p, g), g["ns_steps"], self.ns_dtype, coefficients=g["ns_coefficients"])
 
     def _updates(self, pairs: list) -> list[torch.Tensor]:
-        """The updates of [(p, group)], batched by shape among matrices that share their
-        group's Newton-Schulz settings (or one by one with batched=False)."""
+        """The updates of [(p, group)], batched by shape and Newton-Schulz settings."""
         if not self.batched:
             return [self._update(p, g) for p, g in pairs]
         out, same = [None] * len(pairs), {}
@@ -150,50 +134,24 @@ class Muon(torch.optim.Optimizer):
         return [(p, g) for g in self.param_groups for p in g["params"]]
 
     def owned_updates(self) -> dict:
-        """{parameter: update} for the matrices this rank owns that have a gradient
-        (momentum and Newton-Schulz: the owner's work, batched by shape)."""
+        """{parameter: update} for the matrices with a gradient that this rank owns."""
         (rank, _), owners = self.rank_and_world(), self.owners()
         mine = [(p, g) for p, g in self.matrices() if owners[id(p)] == rank and p.grad is not None]
         return {p: u for (p, _), u in zip(mine, self._updates(mine))}
 
     def state_pieces(self) -> tuple[list, list]:
-        """What this rank holds, for minidist.checkpoint: the state (the momentum) of the
-        matrices it owns, whole: (p, 0, p, 0, p.numel()); the parameters themselves are
-        whole on every rank (no pieces)."""
+        """What this rank holds, for minidist.checkpoint: the momentum of the matrices it
+        owns, whole, (p, 0, p, 0, p.numel()); no pieces of parameters (whole everywhere)."""
         (rank, _), owners = self.rank_and_world(), self.owners()
         return [(p, 0, p, 0, p.numel()) for p, _ in self.matrices() if owners[id(p)] == rank], []
 
     # ------------------------------------------------------------ the step
 
     @torch.no_grad()
-    def step_round_by_round(self) -> None:
-        """The plain distributed step: for each round of N matrices (dealt as owners()
-        says), each rank orthogonalises the one it owns and one all-gather hands every
-        rank every update, as [flag, update, padding] (flag 0: no gradient, or no matrix
-        for this rank in the last round). step() is the same arithmetic, bucketed."""
-        (rank, world), items = self.rank_and_world(), self.matrices()
-        order = self.deal(items)
-        for start in range(0, len(order), world):
-            round_ = order[start:start + world]
-            send = torch.zeros(1 + max(items[i][0].numel() for i in round_), dtype=self.ns_dtype,
-                               device=items[0][0].device)
-            if rank < len(round_) and items[round_[rank]][0].grad is not None:
-                update = self._updates([items[round_[rank]]])[0].flatten()
-                send[0], send[1:1 + update.numel()] = 1, update
-            recv = torch.empty(world * send.numel(), dtype=send.dtype, device=send.device)
-            dist.all_gather_single(recv, send, group=self.group)
-            recv = recv.view(world, -1)  # row r: rank r's [flag, update, padding]
-            for owner, i in enumerate(round_):  # every rank, every update, the same order
-                if recv[owner, 0] == 1:
-                    p, g = items[i]
-                    self._apply(p, recv[owner, 1:1 + p.numel()], g)
-        self.steps_taken += 1
-
-    @torch.no_grad()
     def step(self, closure=None):
-        """As step_round_by_round(), rounds in buckets whose all-gathers overlap the next
-        bucket's Newton-Schulz. Under ZeRO the gradients must be at their owners first
-        (the gradient sync's finish_gradient_synchronization(): minidist/compose/zero_muon.py)."""
+        """As minidist.muon.plain.PlainMuon.step, rounds in buckets whose all-gathers overlap
+        the next bucket's Newton-Schulz. Under ZeRO the gradients must reach their owners first
+        (the sync's finish_gradient_synchronization(): minidist/compose/zero_muon.py)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -206,9 +164,8 @@ class Muon(torch.optim.Optimizer):
             for (p, g), update in zip(todo, self._updates(todo)):
                 self._apply(p, update, g)
             return loss
-        # N ranks. The owner computes: in each bucket of rounds, the matrices this rank
-        # owns (those with a gradient), batched by shape. One all-gather per bucket then
-        # hands every rank every owner's updates; it runs while the next bucket computes.
+        # N ranks: in each bucket of rounds, the owners compute, batched by shape; one
+        # all-gather per bucket hands out the updates while the next bucket computes.
         in_flight = []
         for bucket in plan_buckets(items, self.deal(items), world, self.bucket_mb * 2**20, self.ns_dtype):
             mine = [i for i in bucket.owned_by(rank) if items[i][0].grad is not None]
@@ -229,10 +186,9 @@ class Muon(torch.optim.Optimizer):
 
 class RoundBucket:
     """Consecutive rounds whose updates travel in one all-gather. Each rank's part has one
-    slot per round, [has_update, update (flattened), padding], as long as the round's
-    largest matrix plus one: the layout depends on shapes only, so every rank computes the
-    same one, and 'no update' (a matrix without a gradient, a rank that owns nothing in
-    the last round) travels as data, flag 0, without anyone skipping a collective."""
+    slot per round, [has_update, update (flattened), padding], sized by the round's largest
+    matrix: shapes alone set the layout, so every rank computes the same one, and 'no
+    update' travels as data (flag 0) without anyone skipping a collective."""
 
     def __init__(self, rounds: list[list[int]], items: list):
         self.rounds, self.slots, offset = rounds, [], 0  # slots: (offset, size) per round
@@ -283,13 +239,10 @@ def plan_buckets(items: list, order: list[int], world: int, bucket_bytes: float,
 # ---------------------------------------------------------------- routing: which parameters are Muon's
 
 def hidden_matrices(model: nn.Module) -> dict[int, str]:
-    """id -> name of the parameters meant for Muon, judged by what holds them rather than
-    by the shape they have now (a flattened or sharded copy of a matrix is still one): the
-    weight of every nn.Linear and any other 2-D parameter, except embeddings and the
-    output head (lm_head; in minidist's GPT tied to the token embedding). An embedding is
-    a lookup table, not a linear map on its input, so orthogonalising its update has no
-    meaning; the head's rows each meet one token's loss; the Muon authors found AdamW
-    better for both. Gains and biases are vectors: AdamW."""
+    """id -> name of the parameters meant for Muon, judged by what holds them, not by the
+    shape they have now (a flattened or sharded matrix is still one): every nn.Linear's
+    weight and any other 2-D parameter, except embeddings (lookup tables, not linear maps)
+    and the output head (lm_head), for which the Muon authors found AdamW better."""
     skip = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) or getattr(m, "is_lookup", False)
             for p in m.parameters()}  # (is_lookup: a table of another class, e.g. split by vocabulary)
     head = getattr(model, "lm_head", None)
@@ -307,20 +260,17 @@ def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
     muon, other = [], []
     for name, p in model.named_parameters():
         if id(p) in hidden and p.dim() != 2:
-            raise ValueError(f"split_params: {name} is a weight matrix but has shape {tuple(p.shape)} "
-                             "here (flattened or sharded?): split the parameters before any wrapper "
-                             "flattens them, so that Muon gets whole matrices")
+            raise ValueError(f"split_params: {name} is a weight matrix but has shape {tuple(p.shape)} here "
+                             "(flattened or sharded?): split before any wrapper flattens the parameters")
         (muon if id(p) in hidden else other).append(p)
     return muon, other
 
 
 def check_routing(model: nn.Module, optimizers) -> None:
-    """Call once after the first optimizer step that was taken: raises RuntimeError naming
-    each parameter that went to the wrong optimizer, unless every hidden matrix was held
-    and stepped by a Muon, by no other optimizer, and Muon held nothing else. Cheap: sets
-    of ids, no tensor is read. It catches the silent failures of chapter 07, section 4: a
-    flat 1-D shard or 1-D-looking parameters routed to AdamW by a shape rule, the
-    embedding or head routed to Muon by an `ndim >= 2` rule, and Muon never running."""
+    """Call once after the first optimizer step: raises RuntimeError naming each parameter
+    on the wrong optimizer unless every hidden matrix was stepped by a Muon and by nothing
+    else, and Muon held nothing else (sets of ids: cheap). It catches chapter 07 section 4's
+    silent failures: shape rules that route flat shards to AdamW or embeddings to Muon."""
     names = {id(p): (n, tuple(p.shape)) for n, p in model.named_parameters()}
     hidden = hidden_matrices(model)
     stepped_by_muon, held_elsewhere = set(), {}

@@ -3,7 +3,7 @@ same-shaped matrices at once, with two coefficient choices. Chapter 07
 (chapters/07_muon.md), section 2. Exercised by:
 
     pytest tests/test_muon.py
-    python -m minidist.muon.orthogonalize      # the singular-value band and the batched speedup
+    python -m minidist.bench.muon      # the singular-value band and the batched speedup
 
 An odd polynomial step X <- a X + b (X X^T) X + c (X X^T)^2 X acts on each singular value
 s of X as p(s) = a s + b s^3 + c s^5 and leaves the singular vectors alone, so a few steps
@@ -23,10 +23,7 @@ A tuple (a, b, c) is accepted too, as torch.optim.Muon's `ns_coefficients`.
 
 from __future__ import annotations
 
-import statistics
-
 import torch
-from torch.utils.benchmark import Timer
 
 JORDAN = (3.4445, -4.7750, 2.0315)
 NS_COEFFICIENTS = JORDAN  # the name chapter 07 and the exercise use for the default
@@ -100,46 +97,3 @@ def newton_schulz_many(matrices: list[torch.Tensor], steps: int = 5,
         for k, i in enumerate(idx):
             out[i] = O[k].mT if matrices[i].size(0) > matrices[i].size(1) else O[k]
     return out
-
-
-def singular_value_band(shapes, coefficients="jordan", steps: int = 5, seed: int = 0,
-                        dtype: torch.dtype = torch.float32) -> tuple[float, float]:
-    """(smallest, largest) singular value after `steps` steps, over Gaussian random
-    matrices of the given shapes: the band a coefficient choice leaves them in."""
-    g = torch.Generator().manual_seed(seed)
-    sv = [torch.linalg.svdvals(newton_schulz(torch.randn(*s, generator=g), steps, dtype,
-                                             coefficients=coefficients).float()) for s in shapes]
-    sv = torch.cat(sv)
-    return sv.min().item(), sv.max().item()
-
-
-def time_batched(shapes, repeats: int = 15, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> dict:
-    """Median seconds to orthogonalise one matrix of each shape, one by one and batched by
-    shape (the work of one Muon step), for the benchmark: torch.utils.benchmark's Timer,
-    the two taking turns `repeats` times, so that a noisy moment hurts both alike."""
-    g = torch.Generator().manual_seed(seed)
-    Ms = [torch.randn(*s, generator=g) for s in shapes]
-    runs = {"per_matrix": lambda: [newton_schulz(M, 5, dtype) for M in Ms],
-            "batched": lambda: newton_schulz_many(Ms, 5, dtype)}
-    timers = {k: Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads()) for k, fn in runs.items()}
-    times = {k: [] for k in runs}
-    for _ in range(repeats):
-        for k, t in timers.items():
-            times[k].append(t.timeit(1).median)  # (each block after Timer's own warm-up calls)
-    med = {f"{k}_s": statistics.median(v) for k, v in times.items()}
-    return {**med, "speedup": med["per_matrix_s"] / med["batched_s"]}
-
-
-if __name__ == "__main__":
-    from minidist.model import PRESETS
-    d, layers = PRESETS["tiny"]["n_embd"], PRESETS["tiny"]["n_layer"]
-    shapes = [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * layers  # train_gpt's CPU model
-    for shape in dict.fromkeys(shapes):  # Gaussian matrices; a square one has near-zero values
-        for name in ("jordan", "polar_express"):
-            bands = [(dt, *singular_value_band([shape] * 4, name, dtype=getattr(torch, dt)))
-                     for dt in ("float32", "bfloat16")]
-            print(f"{str(shape):>10} {name:>13}: singular values after 5 steps in "
-                  + ", ".join(f"[{lo:.3f}, {hi:.3f}] ({dt})" for dt, lo, hi in bands))
-    t = time_batched(shapes)
-    print(f"{len(shapes)} matrices, bf16: one by one {1e3 * t['per_matrix_s']:.2f} ms, batched "
-          f"by shape {1e3 * t['batched_s']:.2f} ms ({t['speedup']:.2f}x)")

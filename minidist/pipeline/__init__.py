@@ -7,5 +7,6 @@ schedules that order the micro-batches. Read in this order:
 What joins a pipeline to data and tensor parallelism is in minidist/compose/pipeline_sync.py.
 """
 
-from minidist.pipeline.schedules import (Event, StepRecord, count_saved_bytes, split_layers, describe_cut,
-    Stage, exchange, gpipe, one_f_one_b, SCHEDULES, pipeline_step)
+from minidist.pipeline.schedules import (split_layers, describe_cut, Stage, exchange, Observer,
+    gpipe, one_f_one_b, SCHEDULES, pipeline_step)
+from minidist.pipeline.measure import Event, StepRecord, count_saved_bytes

@@ -1,8 +1,10 @@
 """What a pipeline step is measured with: its timeline, its bubble and its in-flight
 activations, each beside the formula it is checked against.
 
-Chapter 11 (chapters/11_pipeline.md). minidist/pipeline/schedules.py fills a `StepRecord` while a
-step runs (`pipeline_step(..., record=StepRecord())`); the functions here read it.
+Chapter 11 (chapters/11_pipeline.md). A `StepRecord` is an Observer of the schedule in
+minidist/pipeline/schedules.py (`pipeline_step(..., record=StepRecord())`): it times each
+forward, backward and batch of messages and counts what each forward saves for backward;
+the functions here read it.
 Exercised by `pytest tests/test_pipeline.py`.
 
 The two formulas of the chapter, for p stages and m micro-batches, when every stage
@@ -18,12 +20,16 @@ takes the same time per micro-batch and messages cost nothing:
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from minidist.cost_model import block_activation_bytes
 from minidist.model import GPTConfig
+from minidist.pipeline.schedules import Observer
 
 COMPUTE = ("F", "B")  # the kinds of event that are work; the rest is waiting or talking
 
@@ -40,8 +46,8 @@ class Event:
 
 
 @dataclass
-class StepRecord:
-    """What one stage saw during one step (filled by minidist.pipeline.pipeline_step)."""
+class StepRecord(Observer):
+    """What one stage saw during one step (pipeline_step(..., record=this) fills it)."""
     stage: int = 0
     stages: int = 1
     events: list = field(default_factory=list)       # Event, in the order they happened
@@ -52,6 +58,29 @@ class StepRecord:
     def order(self) -> list[tuple[str, int]]:
         """The schedule as run: [("F", 0), ("F", 1), ("B", 0), ...]."""
         return [(e.kind, e.mb) for e in self.events if e.kind in COMPUTE]
+
+    def begin(self, stage) -> None:
+        self.stage, self.stages = stage.stage, stage.stages
+        self._live = self._in_flight = 0  # bytes and micro-batches between F and B
+        dist.barrier(group=stage.group)  # every stage's clock starts at the same moment
+        self._t0 = time.perf_counter()
+
+    @contextmanager
+    def doing(self, kind: str, mb: int, stage):
+        counted, hooks = count_saved_bytes(stage) if kind == "F" else ([0], nullcontext())
+        start = time.perf_counter()
+        with hooks:
+            yield
+        self.events.append(Event(kind, mb, start - self._t0, time.perf_counter() - self._t0))
+        if kind == "F":
+            self.saved_bytes.append(counted[0])
+            self._live += counted[0]
+            self._in_flight += 1
+            self.peak_saved = max(self.peak_saved, self._live)
+            self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
+        elif kind == "B":  # backward freed what micro-batch mb saved
+            self._live -= self.saved_bytes[mb]
+            self._in_flight -= 1
 
 
 # ------------------------------------------------------------------ the formulas

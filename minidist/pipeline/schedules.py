@@ -1,38 +1,28 @@
 """Pipeline parallelism: the GPT cut by layers into stages, one per rank of the pipeline
-group, each passing its activations forward and their gradients back to its neighbours
-by point-to-point messages; and the two schedules that order the micro-batches, GPipe
-(all forwards, then all backwards) and 1F1B (one forward, one backward).
+group, passing activations forward and their gradients back to its neighbours by
+point-to-point messages; and two schedules of the micro-batches, GPipe (all forwards, then
+all backwards) and 1F1B (one forward, one backward). Chapter 11 (chapters/11_pipeline.md);
+`pytest tests/test_pipeline.py` checks both against one process's gradient accumulation.
 
-Chapter 11 (chapters/11_pipeline.md). Exercised by `pytest tests/test_pipeline.py`, which
-checks both schedules against one process's gradient accumulation at pp 2, 3 and 4.
+Read top to bottom: `split_layers` (which blocks each stage holds); `Stage` (this rank's
+part of the GPT, the tied embedding/head matrix on the first and last stage); `exchange`;
+`Observer` (who watches a step: nobody, unless measure.StepRecord records it); `gpipe`
+and `one_f_one_b`, written with a `_Run`'s forward, backward and talk; `pipeline_step`.
 
-Read it top to bottom:
-- `split_layers`, `describe_cut`: which contiguous blocks each stage holds;
-- `Stage`: this rank's part of the GPT, weights copied from the full model and named as
-  the full model names them; the tied embedding/head matrix lives on the first and the
-  last stage, and `allreduce_tied_grads` sums its two halves of the gradient;
-- `exchange`: the one way messages move, posted together and waited together;
-- `gpipe`, `one_f_one_b`: the schedules, written with a `_Run`'s forward, backward, talk;
-- `pipeline_step`: one step's gradients on every stage, and the loss, returned everywhere.
-
-Why nothing deadlocks. A send may not finish before the receiver posts its receive
-(gloo's does not; NCCL's kernels neither), so on each link between neighbouring stages
-both sides post the same messages in the same order. GPipe keeps that by construction:
-all activations go down, then all gradients come up, in micro-batch order. 1F1B's steady
-state does not: a stage sends activation i down and next needs gradient j from below,
-while the stage below sends gradient j up and next needs activation i. Posted one at a
-time, each send would wait for a receive that the other side posts only after its own
-send finishes. So the send and the receive that cross on one link go as one batch
-(`dist.batch_isend_irecv`, as Megatron's send_forward_recv_backward does), and the two
-stages pair them identically. The activation shape (micro-batch, T, n_embd) is known on
-every stage from the micro-batches it is handed, so no message agrees it: receive buffers
-are allocated at that shape, one per micro-batch (its backward needs it kept).
+Why nothing deadlocks. A send may not finish before the receiver posts its receive (not
+on gloo, not in NCCL's kernels), so on each link both sides post the same messages in the
+same order. GPipe keeps that by construction: all activations go down, then all gradients
+come up. 1F1B's steady state does not: a stage sends activation i down and next needs
+gradient j from below, while the stage below sends gradient j up and next needs
+activation i; posted one at a time, each send waits for a receive the other side posts
+only after its own send. So the send and the receive that cross on one link go as one
+batch (`dist.batch_isend_irecv`, as Megatron's send_forward_recv_backward). Every stage
+knows the activation shape from its micro-batches, so receive buffers need no message.
 """
 
 from __future__ import annotations
 
 import copy
-import time
 from contextlib import nullcontext
 
 import torch
@@ -40,7 +30,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minidist.model import GPT
-from minidist.pipeline.measure import Event, StepRecord, count_saved_bytes
 
 
 def split_layers(n_layer: int, pp: int) -> list[range]:
@@ -68,15 +57,12 @@ def describe_cut(n_layer: int, pp: int) -> str:
 class Stage(nn.Module):
     """This rank's stage of `model` (the same on every stage): its blocks, plus the
     embeddings on the first stage and the final norm and head on the last, named as in the
-    full model ("blocks.5.attn.c_attn.weight"), so a stage's state_dict is a slice of the
-    full one. `model`: a minidist.model.GPT, whose weights are copied; or this rank's
-    tensor-parallel shard of one (chapter 10's ParallelGPT, already a copy), whose modules
-    the stage takes as they are. `pp_group`: the ranks of this pipeline, in stage order (a
-    mesh's pp_group; None: the whole world).
-
-    forward(x, targets) takes token indices on the first stage, the previous stage's
-    activation elsewhere; it returns the activation to send on, and on the last stage the
-    loss summed over the targets (-1 masked), as model(x, y, reduction="sum")."""
+    full model, so a stage's state_dict is a slice of the full one. `model`: a GPT, whose
+    weights are copied, or this rank's tensor-parallel shard of one (chapter 10's
+    ParallelGPT), taken as it is. `pp_group`: this pipeline's ranks in stage order (None:
+    the world). forward(x, targets) takes token indices on the first stage, the previous
+    stage's activation elsewhere; it returns the activation to send on, and on the last
+    stage the loss summed over the targets (-1 masked), as model(x, y, reduction="sum")."""
 
     def __init__(self, model: nn.Module, pp_group=None):
         super().__init__()
@@ -86,12 +72,9 @@ class Stage(nn.Module):
         self.config = cfg = model.config
         self.layers = split_layers(cfg.n_layer, self.stages)[self.stage]
         self.is_first, self.is_last = self.stage == 0, self.stage == self.stages - 1
-        # neighbours as global ranks (what P2POp takes); None at the ends of the pipe
-        self.prev = None if self.is_first else ranks[self.stage - 1]
-        self.next = None if self.is_last else ranks[self.stage + 1]
-        # The ends run the model's own code: type(model).embed and .head (GPT's, or
-        # ParallelGPT's), which read only wte, wpe, drop, ln_f, lm_head and config.
-        self.kind = type(model)
+        self.prev = None if self.is_first else ranks[self.stage - 1]  # global ranks (P2POp's);
+        self.next = None if self.is_last else ranks[self.stage + 1]   # None at the pipe's ends
+        self.kind = type(model)  # the ends run its embed and head, which read only what we take
         self.tp_group = getattr(model, "tp_group", None)  # chapter 10's, when model is a shard
         self.sequence_parallel = getattr(model, "sequence_parallel", False)
         take = copy.deepcopy if isinstance(model, GPT) else (lambda module: module)
@@ -102,17 +85,13 @@ class Stage(nn.Module):
         self.blocks = nn.ModuleDict({str(i): take(model.blocks[i]) for i in self.layers})
         if self.is_last:
             self.ln_f = take(model.ln_f)
-            if isinstance(model, GPT):
-                self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False, device="meta")
-            else:
-                self.lm_head = model.lm_head
+            self.lm_head = (nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False, device="meta")
+                            if isinstance(model, GPT) else model.lm_head)
             self.lm_head.weight = self.wte.weight  # tied again, as in the full model
-        # The first and the last stage each hold a copy of the tied matrix and each gets
-        # one part of its gradient (the lookup's, the head's); allreduce_tied_grads sums
-        # them. `tied_peer`: the other end of the pipe, on those two stages only.
-        self.tied_peer = None
-        if self.stages > 1 and (self.is_first or self.is_last):
-            self.tied_peer = ranks[-1] if self.is_first else ranks[0]
+        # The first and the last stage each hold the tied matrix and get one part of its
+        # gradient (the lookup's, the head's), summed by allreduce_tied_grads with `tied_peer`.
+        ends = self.stages > 1 and (self.is_first or self.is_last)
+        self.tied_peer = (ranks[-1] if self.is_first else ranks[0]) if ends else None
         self._check_same_model()
 
     def activation_shape(self, b: int, T: int) -> tuple:
@@ -129,10 +108,9 @@ class Stage(nn.Module):
 
     @torch.no_grad()
     def _check_same_model(self) -> None:
-        # Every stage must have been cut from the same shape of model, or activations of
-        # the wrong width would cross the links. One all-reduce of (v, -v) under MAX gives
-        # the largest and the smallest of each number at once (and, under NCCL, sets up
-        # the pipe's communicator before any point-to-point message).
+        # Every stage must be cut from the same shape of model, or activations of the wrong
+        # width would cross the links. One all-reduce of (v, -v) under MAX gives the largest
+        # and smallest of each number (and, under NCCL, sets up the pipe's communicator).
         c = self.config
         v = torch.tensor([c.n_layer, c.n_embd, c.vocab_size, c.block_size], dtype=torch.float64,
                          device=self.blocks[str(self.layers[0])].ln_1.weight.device)
@@ -156,12 +134,9 @@ class Stage(nn.Module):
     def allreduce_tied_grads(self) -> None:
         """Sum the tied matrix's gradient over the first and the last stage (after the last
         backward, before the step): each then holds the full model's gradient of wte.
-
-        Megatron all-reduces it over a process group of those two ranks. An all-reduce of
-        two ranks is one swap, and a swap needs no group of its own (making one is a
-        collective of the whole world, awkward from inside a stage): each end sends its
-        part and adds the other's. a + b == b + a in floating point, so both ends hold the
-        same bits, as an all-reduce would leave them."""
+        Megatron all-reduces it over a group of those two ranks; an all-reduce of two is one
+        swap, which needs no group of its own (making one is a collective of the whole
+        world): each end sends its part and adds the other's; a + b == b + a, same bits."""
         if self.tied_peer is None:
             return
         grad = self.wte.weight.grad
@@ -173,8 +148,7 @@ class Stage(nn.Module):
 
 
 def exchange(group, sends=(), recvs=()) -> None:
-    """Post every send (tensor, peer) and every receive (buffer, peer) as one batch, then
-    wait for all of them. Peers are global ranks."""
+    """Post every send (tensor, peer) and receive (buffer, peer) as one batch; wait for all."""
     ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
     if ops:
@@ -182,91 +156,80 @@ def exchange(group, sends=(), recvs=()) -> None:
             work.wait()
 
 
+class Observer:
+    """Who watches a step: told when it begins (`begin`), then each thing the stage does
+    inside `doing(kind, mb, stage)`: "F" or "B" of micro-batch mb, or a batch of messages,
+    "send", "recv" or "send+recv" (mb the one awaited). This one, the default, ignores it
+    all; minidist.pipeline.measure.StepRecord records the timeline."""
+
+    def begin(self, stage: Stage) -> None:
+        pass
+
+    def doing(self, kind: str, mb: int, stage: Stage):
+        return nullcontext()
+
+
 class _Run:
     """One step on one stage: its micro-batches, what each forward keeps for its backward
-    (the received input, the output, the gradient that comes back), and, when `record`
-    is given, the timeline and the bytes saved for backward (minidist.pipeline.measure)."""
+    (the input received, the output, the gradient that comes back), and its Observer."""
 
-    def __init__(self, stage: Stage, micro_batches, scale: float, record: StepRecord | None, amp=nullcontext):
-        self.s, self.mbs, self.scale, self.record, self.amp = stage, micro_batches, scale, record, amp
+    def __init__(self, stage: Stage, micro_batches, scale: float, watch: Observer, amp=nullcontext):
+        self.s, self.mbs, self.scale, self.watch, self.amp = stage, micro_batches, scale, watch, amp
         p = next(stage.parameters())
         self.shape = stage.activation_shape(*micro_batches[0][0].shape)
         self.dtype, self.device = p.dtype, p.device
         self.inputs, self.outputs, self.grads = {}, {}, {}  # by micro-batch
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=p.device)
-        self.live = 0  # bytes saved for backward by micro-batches not yet backwarded
-        if record is not None:
-            record.stage, record.stages = stage.stage, stage.stages
-            dist.barrier(group=stage.group)  # every stage's clock starts at the same moment
-        self.t0 = time.perf_counter()
-
-    def _event(self, kind, mb, start):
-        if self.record is not None:
-            self.record.events.append(Event(kind, mb, start - self.t0, time.perf_counter() - self.t0))
+        watch.begin(stage)
 
     def talk(self, send_act=None, recv_act=None, send_grad=None, recv_grad=None) -> None:
-        """One batch of messages, each named by its micro-batch: this stage's output sent
-        down, the previous stage's output received, the gradient of this stage's input sent
-        up, the gradient of its output received. Those the ends of the pipe lack are dropped."""
-        s, sends, recvs, mb = self.s, [], [], []  # mb: the micro-batches these carry
+        """One batch of messages, each named by its micro-batch: this stage's output sent down,
+        the previous one's received, the gradient of this stage's input sent up, that of its
+        output received; those the ends of the pipe lack are dropped."""
+        s, sends, recvs = self.s, [], []
+        mb = [i for i, peer in ((send_act, s.next), (send_grad, s.prev), (recv_act, s.prev),
+                                (recv_grad, s.next)) if i is not None and peer is not None]
+        if not mb:  # the micro-batches these carry: none, at this end of the pipe
+            return
         if send_act is not None and s.next is not None:
             sends.append((self.outputs[send_act].detach(), s.next))
-            mb.append(send_act)
         if send_grad is not None and s.prev is not None:
             sends.append((self.inputs.pop(send_grad).grad, s.prev))
-            mb.append(send_grad)
         if recv_act is not None and s.prev is not None:
             self.inputs[recv_act] = torch.empty(self.shape, dtype=self.dtype, device=self.device)
             recvs.append((self.inputs[recv_act], s.prev))
-            mb.append(recv_act)
         if recv_grad is not None and s.next is not None:
             self.grads[recv_grad] = torch.empty(self.shape, dtype=self.dtype, device=self.device)
             recvs.append((self.grads[recv_grad], s.next))
-            mb.append(recv_grad)
-        if not mb:
-            return
-        start = time.perf_counter()
-        exchange(s.group, sends, recvs)
         kind = "send+recv" if sends and recvs else ("send" if sends else "recv")
-        self._event(kind, mb[-1], start)  # the one received, if any: what the wait was for
+        with self.watch.doing(kind, mb[-1], s):  # the one received, if any: what the wait was for
+            exchange(s.group, sends, recvs)
         if recv_act is not None and s.prev is not None:
             self.inputs[recv_act].requires_grad_()  # a leaf: backward leaves its gradient here
 
     def forward(self, i: int) -> None:
         x, y = self.mbs[i]
         inp = x if self.s.is_first else self.inputs[i]
-        counted, hooks = count_saved_bytes(self.s) if self.record is not None else ([0], nullcontext())
-        start = time.perf_counter()
-        with hooks, self.amp():  # amp: the forward's autocast (train_gpt's --precision)
+        with self.watch.doing("F", i, self.s), self.amp():  # amp: the forward's autocast (--precision)
             out = self.s(inp, y if self.s.is_last else None)
             if self.s.is_last:  # token-normalised, as minidist.train.forward_backward
                 self.loss_sum += out.detach().double()
                 out = out.float() * self.scale
-        self._event("F", i, start)
         self.outputs[i] = out
-        if self.record is not None:
-            self.record.saved_bytes.append(counted[0])
-            self.live += counted[0]
-            self.record.peak_saved = max(self.record.peak_saved, self.live)
-            self.record.peak_in_flight = max(self.record.peak_in_flight, len(self.outputs))
 
     def backward(self, j: int) -> None:
         out = self.outputs.pop(j)
-        start = time.perf_counter()
-        if self.s.is_last:
-            out.backward()
-        else:
-            torch.autograd.backward(out, self.grads.pop(j))
-        self._event("B", j, start)
-        if self.record is not None:  # backward freed what micro-batch j saved
-            self.live -= self.record.saved_bytes[j]
+        with self.watch.doing("B", j, self.s):
+            if self.s.is_last:
+                out.backward()
+            else:
+                torch.autograd.backward(out, self.grads.pop(j))
 
 
 # ------------------------------------------------------------------ the schedules
 
 def gpipe(run: _Run, m: int) -> None:
-    """GPipe: every micro-batch forward, then every one backward. Simple, and it holds the
-    activations of all m micro-batches at once."""
+    """GPipe: every micro-batch forward, then every one backward; it holds all m at once."""
     for i in range(m):
         run.talk(recv_act=i)
         run.forward(i)
@@ -305,18 +268,17 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 
 def pipeline_step(stage: Stage, micro_batches, schedule: str = "1f1b", dp_group=None,
-                  record: StepRecord | None = None, loss_scale: float = 1.0, amp=nullcontext) -> float:
+                  record: Observer | None = None, loss_scale: float = 1.0, amp=nullcontext) -> float:
     """Forward and backward of every micro-batch (x, y) through the pipeline; when it
     returns, this stage's gradients are those of one process's gradient accumulation over
     the same micro-batches (the tied matrix's summed over first and last stage), and the
-    return value, on every stage, is the mean loss per target token.
-
-    Every stage is handed the same micro-batches (the first reads x, the last y, all their
-    shape). The loss is normalised as minidist.train.forward_backward does: summed over
-    tokens, divided by the target count of the global batch, times the data-parallel size
-    (`dp_group`: the replicas whose batches make up the global batch, which will average
-    these gradients; None: this pipeline's micro-batches are the whole batch). `loss_scale`:
-    fp16's loss scale, multiplied in before backward; `amp`: the forwards' autocast context."""
+    return value, on every stage, is the mean loss per target token. Every stage is handed
+    the same micro-batches (the first reads x, the last y, all their shape). The loss is
+    normalised as minidist.train.forward_backward does: summed, divided by the global
+    batch's target count, times the data-parallel size (`dp_group`: the replicas that will
+    average these gradients; None: these micro-batches are the whole batch). `loss_scale`:
+    fp16's, multiplied in before backward; `amp`: the forwards' autocast context;
+    `record`: an Observer (minidist.pipeline.measure.StepRecord records the timeline)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
     device = next(stage.parameters()).device
@@ -326,7 +288,8 @@ def pipeline_step(stage: Stage, micro_batches, schedule: str = "1f1b", dp_group=
         dist.all_reduce(count, group=dp_group)
     if count.item() == 0:
         raise ValueError("every target in this global batch is masked (-1): nothing to learn from")
-    run = _Run(stage, micro_batches, loss_scale * dp / count.item(), record, amp)
+    watch = Observer() if record is None else record
+    run = _Run(stage, micro_batches, loss_scale * dp / count.item(), watch, amp)
     SCHEDULES[schedule](run, len(micro_batches))
     stage.allreduce_tied_grads()
     # Only the last stage computed the loss; the others add zero, so the sum is exact.

@@ -4,6 +4,9 @@ teach them (minidist/*.py). Chapter 08 (chapters/08_at_scale.md) describes the r
     flags.py               train_gpt's flags: parsed and checked before any process group;
     flag_types.py          each flag's range, where argparse reads it;
     flag_checks.py         the checks that span several flags, and --config files
+    locks.py               one run per output folder (a lock file beside its outputs)
+    shards.py              python -m minidist.run.shards: the corpus as token shards
+    checkpoints.py         python -m minidist.run.checkpoints: each checkpoint intact, or damaged and where
     outputs.py             what a run leaves (metrics.jsonl, summary.json, loss.png) and how it ends
     launch.py              launch(fn, world_size, *args): fn in N local processes (chapter 02;
                            public as minidist.launch, the one name notebooks and exercises import)

@@ -1,14 +1,20 @@
 """The checks of train_gpt's flags that span several flags (the tensor- and pipeline-
-parallel axes against the world, the model and what is built), and --config, a TOML file
-of flags. Chapter 10 (tensor parallelism) and chapter 11 (pipelines, recipes) add them;
+parallel axes against the world, the model and what is built), --config, a TOML file of
+flags, and the `auto` flags filled in by the planners. Chapter 10 (tensor parallelism),
+chapter 11 (pipelines, recipes, the planner on a mesh) and chapter 09 (the planner) add them;
 minidist/run/flags.py calls them before any process-group work. Exercised by
-`pytest tests/test_train_gpt.py tests/test_recipes.py`.
+`pytest tests/test_train_gpt.py tests/test_recipes.py tests/test_plan.py`.
 """
 
 from __future__ import annotations
 
 import argparse
 import tomllib
+
+from minidist import data
+from minidist.compose.plan_mesh import plan_on_mesh, zero_stages
+from minidist.memory.plan import PlanError, default_budget_gb, plan
+from minidist.model import PRESETS, GPTConfig
 
 
 def config_argv(p: argparse.ArgumentParser, path: str | None) -> list[str]:
@@ -92,3 +98,42 @@ def check_tensor_parallel(p, args, world_size: int) -> None:
                 f"use a multiple of {tp}")
     if args.zero_stage == 3:  # (checkpoints are built: saved by full name and range, they resume at any --tp)
         p.error(f"{what} with --zero-stage 3 is not built yet: use --zero-stage 0, 1 or 2 (or auto)")
+
+
+def model_of(args, vocab_size: int, dropout: float = 0.0) -> GPTConfig:
+    """The model train_gpt's flags build: the preset, with --n-layer/--n-head/--n-embd."""
+    return GPTConfig(**{**PRESETS[args.preset], "block_size": args.seq_len, "vocab_size": vocab_size,
+                        "dropout": dropout, **{k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd")
+                                               if getattr(args, k) is not None}})
+
+
+def plan_auto(p, args, world_size: int) -> dict:
+    """What the planner chose for the `auto` flags (--zero-stage, --grad-accum-steps,
+    --activation-checkpointing) as flag values, and its line of reasoning ("plan"): chapter
+    09's planner, or with --tp or --pp chapter 11's on the mesh given. ZeRO stands on the
+    bucketed DDP's layout (flags.py); with Muon the plan counts AdamW's two moments for every
+    parameter, where Muon keeps one: an over-estimate, on the safe side."""
+    try:
+        vocab = data.get_tokenizer(args.tokenizer).n_vocab
+    except (ValueError, ImportError, OSError) as e:
+        p.error(f"--tokenizer: {e}")
+    cfg, on_a_mesh = model_of(args, vocab), args.tp > 1 or args.pp > 1
+    zeros = tuple(z for z in (zero_stages(args.tp, args.pp) if on_a_mesh else (0, 1, 2, 3))
+                  if args.dp == "bucketed" or z == 0) if args.zero_stage == "auto" else (args.zero_stage,)
+    accums = None if args.grad_accum_steps == "auto" else [args.grad_accum_steps]
+    ckpts = (False, True) if args.activation_checkpointing == "auto" else (args.activation_checkpointing == "blocks",)
+    budget = args.memory_budget_gb or default_budget_gb(args.device)
+    try:
+        if on_a_mesh:
+            c, line = plan_on_mesh(cfg, args.batch_size, args.seq_len, world_size // (args.tp * args.pp), args.tp,
+                                   args.pp, budget, args.precision, args.sequence_parallel, zeros, accums, ckpts,
+                                   bucket_cap_mb=args.bucket_cap_mb)
+            stage, accum = c.zero, c.micro
+        else:
+            c, line = plan(cfg, args.batch_size, args.seq_len, world_size, budget, args.precision, zeros, accums,
+                           ckpts, args.bucket_cap_mb)
+            stage, accum = c.stage, c.accum
+    except PlanError as e:
+        p.error(f"the planner: {e}")
+    return {"zero_stage": stage, "grad_accum_steps": accum, "plan": line,
+            "activation_checkpointing": "blocks" if c.checkpointed else "none"}

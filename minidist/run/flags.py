@@ -19,13 +19,12 @@ import torch.distributed as dist
 from minidist import data
 from minidist.checkpoint import faults
 from minidist.run import outputs
-from minidist.run.flag_checks import check_pipeline, check_tensor_parallel, config_argv
+from minidist.run.flag_checks import check_pipeline, check_tensor_parallel, config_argv, plan_auto
 from minidist.run.flag_types import (below_one, folder_name, int_or_auto, loss_scale, mib, nonneg_float,
                                      nonneg_int, or_auto, positive_float, positive_int, seed_int, up_to_one)
-from minidist.dist import default_timeout_s, env_device, env_world_size, in_use_message, lock_holder
+from minidist.dist import default_timeout_s, env_device, env_world_size
+from minidist.run.locks import in_use_message, lock_holder
 from minidist.model import PRESETS, GPTConfig
-from minidist.compose import plan_mesh
-from minidist.memory.plan import PlanError, resolve_auto
 from minidist.scaler import LossScaler
 from minidist.checkpoint.resume import resume_from
 
@@ -169,19 +168,11 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
         p.error(f"--warmup-steps must be in [0, --steps), got {args.warmup_steps} with --steps {args.steps}"
                 + (f" ({args.warmup_steps} is the {args.device} default: give --warmup-steps below --steps)"
                    if "warmup_steps" in defaulted else ""))
-    args.plan = None  # chapter 09: the planner fills in what is "auto"
+    args.plan = None  # chapter 09: the planner fills in what is "auto", and says why
     check_pipeline(p, args, world_size)  # chapters 11 and 10: the mesh, before the planner keeps to it
     check_tensor_parallel(p, args, world_size)
     if "auto" in (args.zero_stage, args.grad_accum_steps, args.activation_checkpointing):
-        try:
-            vocab = data.get_tokenizer(args.tokenizer).n_vocab
-        except (ValueError, ImportError, OSError) as e:
-            p.error(f"--tokenizer: {e}")
-        try:
-            on_a_mesh = args.tp > 1 or args.pp > 1  # chapter 11's planner, on the mesh given
-            args.plan = (plan_mesh.resolve_auto if on_a_mesh else resolve_auto)(args, world_size, vocab)
-        except PlanError as e:
-            p.error(f"the planner: {e}")
+        vars(args).update(plan_auto(p, args, world_size))
     dp = world_size // (args.tp * args.pp)  # the tp ranks and the stages of a replica share its batch
     parts = dp * args.grad_accum_steps
     if args.batch_size % parts:
@@ -292,6 +283,12 @@ def agree_across_ranks(settings: dict) -> None:
     if diffs:
         raise ValueError("the ranks were started with different settings: " + "; ".join(diffs[:10])
                          + ". Start every rank (every node) with the same flags")
+
+
+def optimizer_options(args) -> dict:
+    """minidist.compose.build.make_optimizers' keywords, from the flags."""
+    return {k: getattr(args, k) for k in ("optimizer", "lr", "weight_decay", "zero_stage", "bucket_cap_mb", "muon_lr",
+                                          "muon_momentum", "muon_weight_decay", "muon_ns_coefficients")}
 
 
 def make_scaler(args) -> LossScaler:

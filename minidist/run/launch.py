@@ -1,23 +1,14 @@
 """launch(fn, world_size, *args): run a function in N local processes, each in one
-process group, from a test, a notebook or an exercise.
+process group, from a test, a notebook or an exercise. Chapter 02
+(chapters/02_collectives.md). Exercised by tests/test_dist.py and every notebook, through
+its public name minidist.launch: `python -c "from minidist.launch import launch; print(launch(abs, 2, -1))"`.
 
-Chapter 02 (chapters/02_collectives.md) introduces it. Exercised by tests/test_dist.py and
-every notebook, through its public name minidist.launch (minidist/launch.py):
-`python -c "from minidist.launch import launch; print(launch(abs, 2, -1))"`.
-
-Under torchrun this is not needed (torchrun starts the processes, `minidist.dist.init()`
-joins them); launch does torchrun's job inside one Python call: it starts the processes,
-sets up the group, runs `fn(*args)` in each and returns the values, or re-raises the
-first failure with its rank.
-
-The backend follows where the launched function's tensors live, which only the caller
-knows: gloo and CPU tensors unless the caller asks for a GPU run (device="cuda", or
-backend="nccl"; device="auto" takes the GPUs when every rank can have its own). A demo,
-grader or test that builds CPU tensors therefore runs unchanged on a machine with GPUs,
-where NCCL would reject them.
-
-minidist/run/pool.py keeps such processes alive across many calls (the test suite and the
-exercise grader use it); the pieces it shares with launch are the helpers below.
+It does torchrun's job inside one Python call: starts the processes, sets up the group,
+runs `fn(*args)` in each and returns the values, or re-raises the first failure with its
+rank. The backend follows where the function's tensors live, which only the caller knows:
+gloo and CPU tensors unless a GPU run is asked (device="cuda", backend="nccl", or
+device="auto" when every rank can have its own GPU). minidist/run/pool.py keeps such
+processes alive across many calls, with the helpers below.
 """
 
 from __future__ import annotations
@@ -172,13 +163,9 @@ def check_times(timeout_s, grace_s, deadline_s) -> None:
 
 
 def choose_backend(world_size, backend, device):
-    """(backend, device type) of a launch or a Pool.
-
-    Nothing asked for: gloo on CPU, whatever GPUs the machine has, because the caller's
-    tensors are CPU tensors unless it says otherwise (NCCL takes only CUDA tensors).
-    device="cuda" or backend="nccl": NCCL, one GPU per rank. device="auto": NCCL when every
-    rank can have its own GPU (or MINIDIST_DEVICE says so), else gloo; for a function
-    that puts its tensors on the device its backend implies."""
+    """(backend, device type) of a launch or a Pool: gloo on CPU unless asked (NCCL takes
+    only CUDA tensors); device="cuda" or backend="nccl": NCCL, a GPU per rank; "auto":
+    NCCL when every rank can have its own GPU (or MINIDIST_DEVICE says so), else gloo."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     if backend not in (None, "gloo", "nccl"):
@@ -291,24 +278,14 @@ def raise_failure(failure, world_size):
 def launch(fn, world_size: int, *args, backend: str | None = None, device: str | None = None,
            timeout_s: float = 120.0, grace_s: float = 1.0, deadline_s: float | None = None):
     """Run fn(*args) in `world_size` new processes, each in one process group; return
-    the list of return values, indexed by rank.
-
-    Each call makes a fresh rendezvous: a TCPStore on a port the OS picks, so calls never
-    collide. If a process raises, its exception is re-raised here with "[rank r of N]" in
-    front of its message and its traceback as the cause; the others get `grace_s` seconds
-    to finish, then are stopped. `fn` may be defined in a notebook (see dumps). Output
-    printed by the children goes to the terminal that started Python, which in Jupyter is
-    not the notebook: return what you want to show.
-
-    The processes use gloo, for CPU tensors, unless a GPU run is asked for: device="cuda"
-    or backend="nccl" (NCCL, rank r on GPU r), or device="auto" (NCCL when every rank can
-    have its own GPU, else gloo; the function then puts its tensors on the device its
-    backend implies, e.g. cuda when dist.get_backend() == "nccl").
-
-    `timeout_s` bounds each collective (and the rendezvous); `deadline_s`, if given, bounds
-    the whole call: past it the processes are stopped and LaunchError says so (a loop that
-    never ends involves no collective, so only a deadline can catch it).
-    """
+    the list of return values, indexed by rank. Each call makes a fresh rendezvous (a
+    TCPStore on a port the OS picks). A process that raises is re-raised here with
+    "[rank r of N]" before its message and its traceback as the cause; the others get
+    `grace_s` seconds, then are stopped. `fn` may be defined in a notebook (see dumps);
+    the children's prints go to the terminal, not the notebook: return what to show.
+    Backend and device: as the module docstring says. `timeout_s` bounds each collective
+    and the rendezvous; `deadline_s`, if given, the whole call (a loop that never ends
+    calls no collective: only a deadline catches it), past which LaunchError says so."""
     backend, device_type = choose_backend(world_size, backend, device)
     check_times(timeout_s, grace_s, deadline_s)
     store, procs, results, _ = start_ranks(world_size, backend, device_type, timeout_s,

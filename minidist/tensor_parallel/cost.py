@@ -12,8 +12,7 @@ from minidist.model import flops_per_token
 from minidist.tensor_parallel.layers import shard_range
 
 
-def comm_bytes(cfg, B: int, T: int, tp: int, sequence_parallel: bool = False,
-               regather: bool = True, elem: int = 4) -> dict:
+def comm_bytes(cfg, B: int, T: int, tp: int, sequence_parallel: bool = False, elem: int = 4) -> dict:
     """Bytes one forward + backward of B sequences of T tokens hands to each collective on
     each rank (all-reduce: the tensor; all-gather: its output; reduce-scatter: its input),
     and "sent", what a ring puts on the wire.
@@ -34,7 +33,7 @@ def comm_bytes(cfg, B: int, T: int, tp: int, sequence_parallel: bool = False,
         out["all_reduce"] += (4 * L + 2) * act
     else:
         out["reduce_scatter"] = (4 * L + 2) * act
-        out["all_gather"] = (4 * L + 2 + (2 * L + 1) * regather) * act
+        out["all_gather"] = (4 * L + 2 + 2 * L + 1) * act  # 2 L + 1: the regathers
         replicated = cfg.block_size * C + L * (2 * C * (1 + b) + 2 * C * b) + C * (1 + b)
         out["all_reduce"] += replicated * 4  # fp32 gradients
     out["sent"] = sum(SENT_FRACTION[k](tp) * v for k, v in out.items())
@@ -52,7 +51,7 @@ def param_bytes(cfg, tp: int, rank: int = 0, elem: int = 4) -> int:
 
 
 def tp_block_activation_bytes(B: int, T: int, d: int, H: int, tp: int = 1,
-                           sequence_parallel: bool = False, regather: bool = True) -> int:
+                              sequence_parallel: bool = False) -> int:
     """Bytes one ParallelBlock saves for backward, fp32, dropout off (chapter 09's count,
     minidist.memory.block_activation_bytes, is the tp = 1 case: B T (64 d + 4 H + 16)).
 
@@ -60,13 +59,11 @@ def tp_block_activation_bytes(B: int, T: int, d: int, H: int, tp: int = 1,
     LayerNorms' mean and 1/std (8 each), and the two LayerNorm outputs (4d each), are
     replicated: 16 d + 16. Split t ways: q k v (12 d), the attention output (4 d), the
     MLP hidden and its GELU (16 d each), SDPA's logsumexp (4 per head): (48 d + 4 H) / t.
-    Sequence parallelism splits the replicated part too, over positions: all / t; unless
-    the gathered inputs of the two column-parallel layers are kept (regather=False):
-    then 2 x 4 d of the whole sequence instead of 2 x 4 d / t."""
+    Sequence parallelism splits the replicated part too, over positions: all / t (the two
+    column-parallel layers keep their input's positions, not the gathered sequence)."""
     if not sequence_parallel:
         return B * T * (16 * d + 16) + B * T * (48 * d + 4 * H) // tp
-    out = B * T * (64 * d + 4 * H + 16) // tp
-    return out if regather else out + 8 * B * T * d - 8 * B * T * d // tp
+    return B * T * (64 * d + 4 * H + 16) // tp
 
 
 def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1,

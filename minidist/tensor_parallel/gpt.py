@@ -38,14 +38,14 @@ class ParallelAttention(nn.Module):
     softmax spans ranks. The fused c_attn [3C, C] is re-cut: this rank's q rows, k rows and
     v rows (each a contiguous block of C/t), concatenated q|k|v; c_proj by its columns."""
 
-    def __init__(self, full, group, sp, regather):
+    def __init__(self, full, group, sp=False):
         super().__init__()
         t, r = dist.get_world_size(group), dist.get_rank(group)
         C = full.c_attn.in_features
         q = shard_range(C, r, t)
         rows = [(q[0] + i * C, q[1] + i * C) for i in range(3)]
         self.group, self.n_head, self.dropout = group, full.n_head // t, full.dropout
-        self.c_attn = ColumnParallelLinear(full.c_attn, group, rows, sp, regather)
+        self.c_attn = ColumnParallelLinear(full.c_attn, group, rows, sp)
         self.c_proj = RowParallelLinear(full.c_proj, group, sp)
 
     def forward(self, x):
@@ -63,9 +63,9 @@ class ParallelMLP(nn.Module):
     """The MLP by its hidden width: c_fc's rows (column-parallel), c_proj's columns (row-
     parallel). GELU acts elementwise, so it runs on the split hidden with nothing to sync."""
 
-    def __init__(self, full, group, sp, regather):
+    def __init__(self, full, group, sp=False):
         super().__init__()
-        self.c_fc = ColumnParallelLinear(full.c_fc, group, None, sp, regather)
+        self.c_fc = ColumnParallelLinear(full.c_fc, group, None, sp)
         self.c_proj = RowParallelLinear(full.c_proj, group, sp)
 
     def forward(self, x):
@@ -77,13 +77,13 @@ class ParallelBlock(nn.Module):
     before, on the whole sequence (replicated) or on this rank's positions (sequence
     parallel). `recompute` as Block's (chapter 09's set_activation_checkpointing sets it)."""
 
-    def __init__(self, full, group, sp, regather):
+    def __init__(self, full, group, sp):
         super().__init__()
         self.group, self.sequence_parallel = group, sp
         self.ln_1 = LayerNorm(full.ln_1, group, sp)
-        self.attn = ParallelAttention(full.attn, group, sp, regather)
+        self.attn = ParallelAttention(full.attn, group, sp)
         self.ln_2 = LayerNorm(full.ln_2, group, sp)
-        self.mlp = ParallelMLP(full.mlp, group, sp, regather)
+        self.mlp = ParallelMLP(full.mlp, group, sp)
         self.drop = copy.deepcopy(full.drop)
         self.recompute = None
 
@@ -173,7 +173,7 @@ class ParallelGPT(nn.Module):
 
     generate = GPT.generate  # every rank of the group runs it, in step, drawing the same tokens
 
-    def __init__(self, full: GPT, group, sequence_parallel=False, regather=True):
+    def __init__(self, full: GPT, group, sequence_parallel=False):
         super().__init__()
         sp = sequence_parallel
         self.config, self.group, self.sequence_parallel = full.config, group, sp
@@ -181,10 +181,9 @@ class ParallelGPT(nn.Module):
         self.wte = VocabParallelEmbedding(full.wte, group, sp)
         self.wpe = copy.deepcopy(full.wpe)
         self.drop = copy.deepcopy(full.drop)
-        self.blocks = nn.ModuleList(ParallelBlock(b, group, sp, regather) for b in full.blocks)
+        self.blocks = nn.ModuleList(ParallelBlock(b, group, sp) for b in full.blocks)
         self.ln_f = LayerNorm(full.ln_f, group, sp)
-        self.lm_head = ColumnParallelLinear(full.lm_head, group, [(self.wte.start, self.wte.stop)],
-                                            sp, regather)
+        self.lm_head = ColumnParallelLinear(full.lm_head, group, [(self.wte.start, self.wte.stop)], sp)
         self.lm_head.weight = self.wte.weight  # tied, as in the full model: one Parameter
 
     def forward(self, idx, targets=None, reduction: str = "mean"):
@@ -265,19 +264,17 @@ def gather_vocabulary(local: torch.Tensor, vocab_size: int, group) -> torch.Tens
     return torch.cat([p[..., :b - a] for p, (a, b) in zip(parts, ranges)], dim=-1)
 
 
-def parallelize(model: GPT, tp_group, sequence_parallel: bool = False, regather: bool = True):
+def parallelize(model: GPT, tp_group, sequence_parallel: bool = False):
     """This rank's shard of `model` (a minidist.model.GPT, identical on every rank of
     tp_group), its weights copied from it. No collective runs here, so a refusal reaches
-    every rank alike. `regather` (sequence parallelism only): keep only this rank's
-    positions of each column-parallel input and gather them again in backward (Megatron's
-    choice), else keep the gathered input (no extra all-gather, more memory)."""
+    every rank alike."""
     cfg, t = model.config, dist.get_world_size(tp_group)
     if cfg.n_head % t:
         raise ValueError(f"tensor parallelism splits attention by heads: n_head={cfg.n_head} "
                          f"must be divisible by tp={t}; change n_head or tp")
     # then n_embd = n_head * head_dim divides too, and so does the MLP's 4 * n_embd.
     # The vocabulary need not: ranks then hold V // t or V // t + 1 rows (shard_range).
-    return ParallelGPT(model, tp_group, sequence_parallel, regather)
+    return ParallelGPT(model, tp_group, sequence_parallel)
 
 
 def shard_spec(model: nn.Module) -> dict:

@@ -172,29 +172,29 @@ def shard_param(full: torch.Tensor, spec) -> nn.Parameter:
 class ColumnParallelLinear(nn.Module):
     """y[..., mine] = x @ W[mine].T + b[mine]: this rank's rows of W (`rows`: the ranges
     of output features it holds; default its even block). The input is whole on every
-    rank, so backward all-reduces its gradient (f). The output stays split."""
+    rank, so backward all-reduces its gradient (f); under sequence parallelism it is
+    gathered over the sequence first (_GatheredLinear). The output stays split."""
 
-    def __init__(self, full: nn.Linear, group, rows=None, sequence_parallel=False, regather=True):
+    def __init__(self, full: nn.Linear, group, rows=None, sequence_parallel=False):
         super().__init__()
         t, r = dist.get_world_size(group), dist.get_rank(group)
         rows = tuple(rows or [shard_range(full.out_features, r, t)])
-        self.group, self.sequence_parallel, self.regather = group, sequence_parallel, regather
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.weight = shard_param(full.weight, (0, rows))
         self.bias = None if full.bias is None else shard_param(full.bias, (0, rows))
 
     def forward(self, x):
         if not self.sequence_parallel:
             return F.linear(copy_to_region(x, self.group), self.weight, self.bias)
-        if not self.regather or dist.get_world_size(self.group) == 1:  # the simple form:
-            # the gathered (B, T, C) input is what F.linear keeps for backward
-            return F.linear(gather_sequence(x, self.group), self.weight, self.bias)
+        if dist.get_world_size(self.group) == 1:  # nothing to gather, nothing to save
+            return F.linear(x, self.weight, self.bias)
         return _GatheredLinear.apply(x, self.weight, self.bias, self.group)
 
 
 class _GatheredLinear(torch.autograd.Function):
-    """linear(all_gather_seq(x)), keeping only this rank's sequence block x for backward
-    and gathering it again there: sequence parallelism's memory saving (Korthikanti et al.
-    2022) for one more all-gather per layer, which a GPU overlaps with the gradient matmul."""
+    """linear(all_gather_seq(x)), keeping only this rank's positions x for backward and
+    gathering them again there (Megatron's regather): sequence parallelism's memory saving
+    kept, for one more all-gather per layer, which a GPU overlaps with the gradient matmul."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, group):

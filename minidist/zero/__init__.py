@@ -10,7 +10,7 @@ Read in this order:
     layout.py   the flat padded shard layout (a Unit: parameters in one buffer, cut N ways)
     base.py     ZeroBase, what every stage shares once it has its units: the inner
                 optimizer on this rank's shards, the reduce-scatters of the gradients, the
-                gradient-sync interface (minidist/ddp.py), clipping, checkpoint pieces
+                gradient-sync interface (minidist/sync.py), clipping, checkpoint pieces
     stage12.py  ShardedOptimizer: ZeRO-1 (optimizer state) and ZeRO-2 (also gradients);
                 its units are buckets, as DDP's
     stage3.py   FullyShardedOptimizer: ZeRO-3 (also parameters, gathered per block);

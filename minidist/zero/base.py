@@ -12,29 +12,29 @@ every stage:
   kept) during backward once it and every unit before it in `reduce_order` are complete
   (stages 2, 3: one order on every rank), or when backward ends (stage 1);
   finish_gradient_synchronization() waits for the reduce-scatters in flight;
-- the rest of the gradient-sync interface the training loop uses (minidist/ddp.py): no_sync()
-  and clip_grad_norm_(), and zero_grad();
+- the rest of the gradient-sync interface (minidist/sync.py): no_sync(), the norm for
+  clip_grad_norm_(), scale_grads(); and zero_grad();
 - state_pieces(): what this rank holds, described for minidist.checkpoint.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 
 from minidist import comm
-from minidist.ddp import clip_to_global_norm
+from minidist.sync import GradientSync
 from minidist.zero.layout import Unit
 
 
-class ZeroBase:
+class ZeroBase(GradientSync):
     """The shared part of ShardedOptimizer (stages 1, 2) and FullyShardedOptimizer (stage 3);
     see the module docstring. A stage's constructor calls ZeroBase.__init__ with its units
     built, and registers _on_grad on the parameters whose gradients it reduces itself.
     `shards_parameters` answers "is it stage 3?" for everyone (minidist/compose/zero_muon.py too):
-    whether parameters are whole on every rank at rest (stages 1, 2) or only shards."""
+    whether parameters are whole on every rank at rest (stages 1, 2) or only shards.
+    no_sync() is GradientSync's no-op at stages 2 and 3: they keep no full gradient to
+    accumulate into, so every micro-step reduce-scatters into the shards (which add up)."""
 
     shards_parameters = False  # FullyShardedOptimizer: True
 
@@ -79,12 +79,6 @@ class ZeroBase:
         return self.optim.state
 
     # ---- gradients: reduce-scatter each unit, during backward or at its end ------------
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """A no-op at stages 2 and 3: they keep no full gradient to accumulate into, so
-        every micro-step reduce-scatters into the shards (which add up). Stage 1 overrides."""
-        yield
 
     def _on_grad(self, p) -> None:
         if self._no_sync:
@@ -143,16 +137,9 @@ class ZeroBase:
             for p in u.params:
                 p.grad = None if set_to_none else (p.grad.zero_() if p.grad is not None else None)
 
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the global norm of the averaged gradient, as clip_grad_norm_ on the full
-        gradients would: the squares of the shards summed over ranks (padding is zero)."""
-        self.finish_gradient_synchronization()
-        return clip_to_global_norm(self.grad_square_sum(), max_norm, self.scale_grads)
-
     def grad_square_sum(self, weight=None) -> torch.Tensor:
-        """The whole averaged gradient's squared norm (float64), the same on every rank: the
-        shards' squares summed over ranks; each parameter's times weight(p) if given."""
+        """The shards' squares summed over ranks (padding is zero): the squared norm of the
+        whole averaged gradient, the same on every rank."""
         sq = self.local_grad_square_sum(weight).reshape(1)
         dist.all_reduce(sq, group=self.group)
         return sq[0]

@@ -1,0 +1,161 @@
+"""A training run built from its techniques: the one place that chooses among them, so
+train_gpt's loop asks no technique questions. Chapter 04 (chapters/04_grad_accum.md) teaches
+the step; each technique's chapter its part: shard_model (10, 11), make_optimizers (06, 07,
+10), gradient_sync (03, 06, 07, 10, 11), and make_step, one interface (forward_backward,
+loss_sum, generate) for a whole model and a pipeline stage (11). Exercised by
+`torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py` and `pytest tests/test_train_gpt.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minidist.compose.mesh import MeshSync
+from minidist.compose.pipeline_sync import PipelineSync, pipeline_eval, pipeline_generate
+from minidist.compose.tp_muon import TensorParallelMuon, tensor_parallel_group
+from minidist.compose.zero_muon import muon_for_zero, muon_under_zero
+from minidist.ddp import DDP, FlatDDP, NaiveDDP
+from minidist.muon import Muon, split_params
+from minidist.pipeline import Stage, pipeline_step
+from minidist.scaler import LossScaler, autocast
+from minidist.tensor_parallel.gpt import parallelize
+from minidist.train import forward_backward
+from minidist.zero import ShardedOptimizer, zero_optimizer
+
+
+def shard_model(model, mesh=None, sequence_parallel: bool = False):
+    """This rank's part of the full `model` on a dp x tp x pp `mesh` (None: all of it):
+    its slices of every layer (chapter 10), then its stage's contiguous blocks (chapter 11)."""
+    if mesh is not None and mesh.tp > 1:
+        model = parallelize(model, mesh.tp_group, sequence_parallel)
+    if mesh is not None and mesh.pp > 1:
+        model = Stage(model, mesh.pp_group)
+    return model
+
+
+def make_optimizers(model, *, lr: float, optimizer: str = "adamw", weight_decay: float = 0.1,
+                    zero_stage: int = 0, bucket_cap_mb: float = 25.0, muon_lr: float = 0.02,
+                    muon_momentum: float = 0.95, muon_weight_decay: float = 0.0,
+                    muon_ns_coefficients: str = "jordan", group=None) -> list[torch.optim.Optimizer]:
+    """AdamW (weight decay on matrices only), sharded by ZeRO when asked; or, with
+    optimizer="muon", Muon for the hidden matrices plus AdamW for embeddings, head, gains
+    and biases (under ZeRO stages 1-2 AdamW's in the shards, Muon's matrices whole; at stage
+    3 Muon's matrices sharded too, by the ZeRO-3 optimizer, for Muon to update: gradient_sync
+    joins them). Each group remembers its peak lr. `group`: the ranks ZeRO shards over and
+    Muon deals its matrices over (chapter 10's mesh: the data-parallel group; all ranks by
+    default). On a tensor-parallel model Muon orthogonalises the whole matrices its shards
+    cut (minidist/compose/tp_muon.py, gathered: the same arithmetic as one process)."""
+    hidden, rest = split_params(model) if optimizer == "muon" else ([], list(model.parameters()))
+    groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
+    adamw = dict(lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    if zero_stage and isinstance(model, Stage):  # chapter 11: ZeRO-1 of a pipeline stage
+        # takes its shard of gradients averaged after the pipeline step (PipelineSync)
+        opts = [ShardedOptimizer(groups, torch.optim.AdamW, group=group, stage=1, reduce_gradients=False,
+                                 bucket_cap_mb=bucket_cap_mb, module=model, **adamw)]
+    elif zero_stage:  # ZeRO averages the gradients itself, with reduce-scatters
+        opts = [zero_optimizer(model, groups, torch.optim.AdamW, zero_stage,  # (stage 3 shards
+                               bucket_cap_mb=bucket_cap_mb, others=hidden, group=group, **adamw)]
+    else:
+        opts = [torch.optim.AdamW(groups, **adamw)]
+    if hidden:
+        muon = dict(lr=muon_lr, momentum=muon_momentum, weight_decay=muon_weight_decay,
+                    ns_coefficients=muon_ns_coefficients)
+        tp_group = tensor_parallel_group(model)  # chapter 10: Muon's matrices are shards
+        if tp_group is not None:  # (stages 1-2: whole shards on every dp rank, as Muon wants)
+            opts.append(TensorParallelMuon(hidden, tp_group, "gather", group=group, **muon))
+        else:
+            opts.append(muon_for_zero(opts[0], hidden, group=group, **muon) if zero_stage
+                        else Muon(hidden, group=group, **muon))
+    for g in (g for o in opts for g in o.param_groups):
+        g["peak_lr"] = g["lr"]
+    return opts
+
+
+def gradient_sync(model, opts, *, zero_stage: int = 0, dp: str = "bucketed", bucket_cap_mb: float = 25.0,
+                  mesh=None):
+    """What averages the gradients across ranks, behind the gradient-sync interface of
+    minidist/ddp.py (no_sync, finish_gradient_synchronization, clip_grad_norm_): under
+    ZeRO the optimizer itself (it reduce-scatters them), with Muon beside it
+    MuonUnderZero (AdamW's shards, and Muon's matrices reduce-scattered to their owners);
+    otherwise DDP as `dp` (naive, flat or bucketed) asks. On a dp x tp mesh (chapter 10)
+    that averaging runs over the dp group, and MeshSync adds the norm over the
+    tensor-parallel shards; a pipeline stage's (chapter 11) averages after the step."""
+    group = None if mesh is None else mesh.dp_group
+    if mesh is not None and mesh.pp > 1:
+        return PipelineSync(model, group, flat=dp != "naive", zero=opts[0] if zero_stage else None)
+    if zero_stage:
+        muons = [o for o in opts if isinstance(o, Muon)]
+        sync = muon_under_zero(opts[0], muons[0]) if muons else opts[0]
+    elif dp == "naive":
+        sync = NaiveDDP(model, group=group)
+    elif dp == "flat":
+        sync = FlatDDP(model, group=group)
+    else:
+        sync = DDP(model, bucket_cap_mb=bucket_cap_mb, group=group)
+    return sync if mesh is None or mesh.tp == 1 else MeshSync(sync, mesh.tp_group)
+
+
+class PlainStep:
+    """One optimizer step's gradients, the evaluation loss and sampling of a whole (or
+    tensor-parallel) model: chapter 04's forward_backward over `world_size` replicas
+    (`group`: the data-parallel group on a mesh)."""
+
+    def __init__(self, model, sync, scaler: LossScaler | None, precision: str, world_size: int, group=None):
+        self.model, self.sync, self.scaler, self.precision = model, sync, scaler, precision
+        self.world_size, self.group = world_size, group
+
+    def forward_backward(self, micro_batches) -> float:
+        """The gradients of one step, averaged; returns the global batch's mean loss per token."""
+        return forward_backward(self.model, micro_batches, self.world_size, self.sync, self.scaler,
+                                self.precision, self.group)
+
+    def loss_sum(self, x, y) -> torch.Tensor:
+        """The loss summed over the targets: what minidist.train.evaluate adds up."""
+        return self.model(x, y, reduction="sum")[1]
+
+    def generate(self, idx, max_new_tokens: int, **kw) -> torch.Tensor:
+        return self.model.generate(idx, max_new_tokens, **kw)
+
+    def describe(self, micro_steps: int) -> str:
+        return ""  # nothing to add to the run's first line
+
+
+class PipelineStep(PlainStep):
+    """The same three calls for a pipeline stage (chapter 11): the micro-batches through
+    `schedule`, the loss normalised as forward_backward does (times the loss scale), then
+    the gradients averaged over the data-parallel replicas; evaluation and sampling forward
+    only through the stages (minidist/compose/pipeline_sync.py). Every stage gets the same
+    loss, the same summed loss and the same tokens."""
+
+    def __init__(self, stage, sync, scaler, precision, world_size, group, schedule: str, mesh):
+        super().__init__(stage, sync, scaler, precision, world_size, group)
+        self.schedule, self.mesh = schedule, mesh
+
+    def forward_backward(self, micro_batches) -> float:
+        scaler, device = self.scaler, next(self.model.parameters()).device
+        loss = pipeline_step(self.model, micro_batches, self.schedule, self.group,
+                             loss_scale=scaler.get_scale() if scaler is not None and scaler.enabled else 1.0,
+                             amp=lambda: autocast(device, self.precision))
+        self.sync.finish_gradient_synchronization()
+        return loss
+
+    def loss_sum(self, x, y) -> torch.Tensor:
+        return pipeline_eval(self.model, x, y)
+
+    def generate(self, idx, max_new_tokens: int, **kw) -> torch.Tensor:
+        return pipeline_generate(self.model, idx, max_new_tokens, **kw)
+
+    def describe(self, micro_steps: int) -> str:
+        how = "one flat all-reduce" if self.sync.flat else "per parameter"
+        return (f"pipeline | {self.mesh.describe()} | {self.schedule}, {micro_steps} micro-batches | "
+                f"{self.model.describe()} | gradients averaged over dp after each step ({how})")
+
+
+def make_step(model, sync, scaler: LossScaler | None, precision: str, world_size: int, group=None,
+              schedule: str = "1f1b", mesh=None) -> PlainStep:
+    """The step interface for this rank's model: a PipelineStep for a pipeline stage (with
+    its `schedule`, on `mesh`), a PlainStep otherwise."""
+    if isinstance(model, Stage):
+        return PipelineStep(model, sync, scaler, precision, world_size, group, schedule, mesh)
+    return PlainStep(model, sync, scaler, precision, world_size, group)
