@@ -7,6 +7,6 @@ Read in this order:
 """
 
 # chapter 09's formulas live beside the rest of the cost model's
-from minidist.cost_model import (activation_bytes, block_activation_bytes, head_activation_bytes, model_state_bytes,
+from minidist.cost_model import (GB, activation_bytes, block_activation_bytes, head_activation_bytes, model_state_bytes,
                                  zero3_gathered_bytes)
 from minidist.memory.estimate import count_saved_bytes, gib, measure_peak, step_memory, storages_now
