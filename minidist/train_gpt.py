@@ -49,7 +49,7 @@ def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = resolve_args(parse_args(argv), world_size_from_env())
     # One run per --out-dir: rank 0 holds its lock from here to the end, however it ends
-    # (minidist.dist.acquire_lock). Every check above ran first: a refused run did nothing.
+    # (minidist.run.locks.acquire_lock). Every check above ran first: a refused run did nothing.
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
         held = acquire_lock(args.out_dir) if rank0 else None
