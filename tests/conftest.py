@@ -3,6 +3,7 @@ helpers to run commands the way a user would, and `pool`: process groups that ma
 share (tests/helpers.py holds the tiny model, batches and oracles)."""
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -12,8 +13,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # Set at import time, so processes the tests start (launch, torchrun) inherit it too.
-os.environ.setdefault("MINIDIST_DATA", tempfile.mkdtemp(prefix="minidist-test-data-"))
+_OWN_DATA = None if "MINIDIST_DATA" in os.environ else tempfile.mkdtemp(prefix="minidist-test-data-")
+os.environ.setdefault("MINIDIST_DATA", _OWN_DATA or "")
 os.environ.setdefault("MINIDIST_TIMEOUT", "120")
+
+
+def pytest_unconfigure(config):
+    """The data cache this session made goes with it: a learner's temp folder does not fill."""
+    if _OWN_DATA is not None:
+        shutil.rmtree(_OWN_DATA, ignore_errors=True)
 
 
 def run(cmd, timeout=300, env=None, **kw):
