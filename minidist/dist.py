@@ -1,17 +1,12 @@
 """Processes, ranks and process groups: the ground every other module stands on.
-
 Chapter 02 (chapters/02_collectives.md) explains it; chapter 01's training run uses it.
 Exercised by `torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py` and by
 tests/test_dist.py.
 
-`init()` sets up a process group inside a program started by torchrun (or plain
-`python`, as world size 1). To start processes from a test, notebook or exercise, see
-minidist/run/launch.py, which builds on this module.
-
-The backend follows the hardware: NCCL with one GPU per process when CUDA has enough
-GPUs, gloo on CPU otherwise. Every process group gets a timeout, so a peer that never
-joins a collective turns into an error instead of a hang. The environment it reads is
-checked (MINIDIST_TIMEOUT, MINIDIST_DEVICE, WORLD_SIZE).
+`init()` sets up a process group under torchrun (or plain `python`, as world size 1);
+minidist/run/launch.py starts processes from a test or notebook. The backend follows the
+hardware (NCCL with a GPU per process, else gloo), and every group gets a timeout, so a
+peer that never joins a collective is an error, not a hang.
 """
 
 from __future__ import annotations
@@ -26,12 +21,9 @@ import torch.distributed as dist
 
 
 def default_timeout_s(default: float = 300.0) -> float:
-    """Seconds a collective may wait for its peers: MINIDIST_TIMEOUT, else `default`. Read
-    when asked, not at import, so a process that changes its environment (a notebook, a
-    test, a launched child) gets the value it set. Anything but a finite number of seconds
-    > 0 is a ValueError that names the variable: "abc" would otherwise fail deep inside
-    init, and 0, a negative number, nan or inf would make every collective fail at once or
-    wait forever."""
+    """Seconds a collective may wait for its peers: MINIDIST_TIMEOUT, else `default`, read
+    when asked (not at import). Anything but a finite number > 0 is a ValueError that names
+    the variable, rather than a failure deep inside init or a wait forever."""
     raw = os.environ.get("MINIDIST_TIMEOUT", "").strip()
     if not raw:  # unset or empty: the default
         return default
@@ -108,10 +100,8 @@ def set_threads(device_type: str, local_world: int) -> None:
 
 
 def _elastic_store(timeout: timedelta) -> dist.Store:
-    """torchrun's rendezvous store, with a prefix per attempt. When torchrun restarts the
-    workers (--max-restarts), the store can outlive them and still hold the last
-    attempt's keys, such as the dead workers' gloo addresses: a new worker could read one
-    before its peer has replaced it, and fail to connect. Its own prefix avoids that."""
+    """torchrun's rendezvous store, with a prefix per attempt: after a restart the store
+    may still hold the dead workers' gloo addresses, which a new worker could read."""
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           int(os.environ["WORLD_SIZE"]), timeout=timeout,
@@ -121,11 +111,8 @@ def _elastic_store(timeout: timedelta) -> dist.Store:
 
 def init(device: str | None = None, timeout_s: float | None = None) -> DistInfo:
     """Join (or create) the process group this process belongs to and return who we are.
-
-    Under torchrun the rendezvous comes from the environment it sets (RANK, WORLD_SIZE,
-    MASTER_ADDR, MASTER_PORT). Without it this is a group of one, kept in memory, so the
-    same training code runs as a plain `python` program. Calling init() again returns the
-    existing group's info.
+    Under torchrun the rendezvous comes from its environment; without it this is a group of
+    one, so the same code runs as plain `python`. Calling init() again returns the same info.
     """
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if dist.is_initialized():
@@ -160,8 +147,7 @@ def rank_and_world() -> tuple[int, int]:
 
 def barrier_or_failure(failed: str | None = None) -> str | None:
     """A barrier that also tells every rank whether one of them failed, and which (pass
-    what went wrong here, or None): a rank that cannot do its part, say write its shard
-    of a checkpoint, must not leave the others waiting for it until the timeout."""
+    what went wrong here, or None), so no rank waits for a failed one until the timeout."""
     rank, world = rank_and_world()
     if world == 1:
         return failed

@@ -1,9 +1,8 @@
 """The public door to launch(fn, world_size, *args): run a function in N local processes,
 each in one process group, from a test, a notebook or an exercise.
 
-Chapter 02 (chapters/02_collectives.md) introduces it. The code lives in the workshop,
-minidist/run/launch.py (and its pool of kept processes in minidist/run/pool.py); this
-module only keeps the name every notebook and exercise imports:
+Chapter 02 (chapters/02_collectives.md). The code lives in minidist/run/launch.py; this
+module keeps the name every notebook imports:
 `python -c "from minidist.launch import launch; print(launch(abs, 2, -1))"`.
 """
 

@@ -1,16 +1,9 @@
 """Measuring a run: throughput, model FLOPs utilisation (MFU), memory.
 
-Chapter 01 (chapters/01_gpt.md) defines MFU and validation bits per byte (computed by `minidist.train.evaluate`);
-chapter 08 uses these figures at scale.
-Exercised by `python -m minidist.train_gpt` (every log line) and tests/test_model.py.
-What a run leaves (metrics.jsonl, summary.json, the loss plot) and how it ends are the
-workshop's: minidist/run/outputs.py.
-
-MFU = (model FLOPs per token * tokens per second) / (peak FLOP/s of the hardware). The
-model FLOPs come from `minidist.model.flops_per_token`; the peak from the vendor's dense
-(no sparsity) figure for the precision the matmuls run in. A CPU has no agreed peak, so on
-CPU we measure one: the best rate of a large fp32 matmul on this process's threads. That
-is an empirical ceiling, not a datasheet one, and the log says so.
+Chapter 01 (chapters/01_gpt.md) defines MFU. Exercised by `python -m minidist.train_gpt`
+(every log line) and tests/test_model.py. MFU = model FLOPs per token * tokens per second
+/ the hardware's dense peak FLOP/s for the matmuls' precision. A CPU has no agreed peak, so
+on CPU we measure one (the best rate of a large fp32 matmul): the log says so.
 """
 
 from __future__ import annotations

@@ -43,11 +43,9 @@ class GPTConfig:
         return asdict(self)
 
 
-# Named sizes, the one table of them (minidist.cost_model's models at scale are four of
-# these). "gpt2" is GPT-2 small (124M); "tiny" is what a laptop CPU trains in a couple of
-# minutes (train_gpt picks it when there is no GPU). The last two are the shapes of GPT-3's
-# 1.3B and 6.7B (Brown et al., 2020, table 2.1; heads of 128) with GPT-2's context. None
-# names a vocabulary: GPTConfig's default is GPT-2's, and the CPU runs pick a smaller one.
+# Named sizes, the one table of them. "gpt2" is GPT-2 small (124M); "tiny" is what a laptop
+# CPU trains in a couple of minutes; the last two are GPT-3's 1.3B and 6.7B shapes (Brown et
+# al., 2020, table 2.1) with GPT-2's context. None names a vocabulary.
 PRESETS = {
     "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
     "small": dict(n_layer=6, n_head=6, n_embd=384, block_size=256),
@@ -148,7 +146,6 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 reduction: str = "mean"):
         """Logits for `idx` (B, T); with `targets`, also the cross-entropy loss.
-
         `targets` equal to -1 are ignored (masked). `reduction="sum"` returns the summed
         loss, which chapter 04 divides by the token count of the whole global batch.
         """
@@ -195,11 +192,8 @@ class GPT(nn.Module):
 
 
 def num_params(model: nn.Module, non_embedding: bool = False) -> int:
-    """Distinct parameters (a tied weight counts once).
-
-    non_embedding=True leaves out the position table, which is a lookup and costs no
-    FLOPs (the token table stays in: as the tied head it is a real matmul).
-    """
+    """Distinct parameters (a tied weight counts once). non_embedding=True leaves out the
+    position table, a lookup (the token table stays in: as the tied head it is a matmul)."""
     seen, n = set(), 0
     for name, p in model.named_parameters():  # named_parameters already skips duplicates
         if id(p) in seen:
@@ -226,12 +220,9 @@ def config_num_params(cfg: GPTConfig) -> int:
 
 
 def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> int:
-    """Training FLOPs per token (forward + backward), the PaLM-paper estimate.
-
-    6 * N for the matmuls (2 per multiply-add forward, 4 backward) with N the
-    non-embedding parameters (the tied head included), plus 12 * L * T * d for attention
-    scores and weighted sums (the convention counts the full T x T square even though a
-    causal kernel skips half of it).
+    """Training FLOPs per token (forward + backward), the PaLM-paper estimate:
+    6 * N for the matmuls (N the non-embedding parameters, the tied head included), plus
+    12 * L * T * d for attention (the convention counts the full T x T square).
     """
     T = cfg.block_size if seq_len is None else seq_len
     N = config_num_params(cfg) - cfg.block_size * cfg.n_embd

@@ -8,13 +8,10 @@ fp16's smallest positive value is 2**-24, so most of a language model's gradient
 in an fp16 backward. Multiplying the loss by S lifts every gradient by S; unscaling the fp32
 gradients gives the true ones back. A step whose gradients overflow is skipped and S
 lowered; after a run of clean steps S grows. bf16 has fp32's range and needs none of it.
-The usage mirrors torch.amp.GradScaler, the tests' oracle (scale, unscale_, step,
-update). Beyond it: the inf/NaN flag agrees across ranks (an all-reduce with MAX, so ZeRO's
-shards skip the same steps); hysteresis, as DeepSpeed's consecutive_hysteresis=True (the
-scale backs off only after `hysteresis` overflows in a row; 1 is GradScaler); and
-min_scale, past which the run stops with an error saying what to try. The module reads
-in that order: PlainScaler, the idea alone in one process, then LossScaler, what
-train_gpt uses.
+The usage mirrors torch.amp.GradScaler, the tests' oracle. Read PlainScaler, the idea
+alone in one process, then LossScaler, what train_gpt uses: the inf/NaN flag agrees across
+ranks (an all-reduce with MAX, so ZeRO's shards skip the same steps), plus hysteresis (as
+DeepSpeed's) and min_scale, past which the run stops with an error saying what to try.
 """
 
 from __future__ import annotations
@@ -31,10 +28,8 @@ def _f32(x: float) -> float:
 
 
 class PlainScaler:
-    """The plain dynamic loss scaler, in one process: the whole idea in four calls, before
-    LossScaler below adds hysteresis, ranks that agree on a skip, min_scale, checkpoints
-    and the checks against misuse. With the same settings it takes the decisions
-    torch.amp.GradScaler takes (tests/test_scaler.py holds the three side by side)."""
+    """The plain dynamic loss scaler, in one process: the whole idea in four calls. With the
+    same settings it takes the decisions torch.amp.GradScaler takes (tests/test_scaler.py)."""
 
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000):
@@ -74,7 +69,7 @@ class ScaleCollapseError(FloatingPointError):
 
 
 class LossScaler:
-    """Dynamic loss scaler; see the module docstring for the protocol and semantics.
+    """Dynamic loss scaler.
 
     init_scale:      the first S (2**16, as GradScaler).
     growth_factor:   S is multiplied by this after `growth_interval` consecutive clean steps.
@@ -119,14 +114,10 @@ class LossScaler:
 
     @torch.no_grad()
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Divide the optimizer's gradients (the .grad of its param groups' tensors) by S in
-        place and record whether any gradient, on any rank, is inf or NaN. Call once per
-        optimizer step, after the last micro-step's backward and after the gradient
-        synchronisation has finished (minidist.train.forward_backward returns then): the
-        gradients accumulated over micro-steps, averaged over ranks, are checked once. A
-        ZeRO optimizer's gradients are its shards' (minidist.zero), complete once its
-        finish_gradient_synchronization() has run (by itself at the end of backward; under
-        ZeroRedundancyOptimizer's contract, call it first)."""
+        """Divide the optimizer's gradients by S in place and record whether any gradient, on
+        any rank, is inf or NaN. Call once per optimizer step, after the gradient sync has
+        finished (minidist.train.forward_backward returns then; a ZeRO optimizer's gradients
+        are its shards', complete once its finish_gradient_synchronization() has run)."""
         if not self.enabled:
             return
         if id(optimizer) in self._found_inf:

@@ -28,14 +28,11 @@ def forward_backward(model, micro_batches, world_size: int, sync=None,
     micro-steps, all ranks; targets of -1 are masked and do not count), so every token
     weighs the same however the tokens fall across micro-batches and ranks. Gradient
     averaging divides by world_size, so each rank scales its summed loss by world_size /
-    global_tokens. `sync` is what averages the gradients (DDP, naive or flat, or a ZeRO
-    optimizer: minidist.compose.build.gradient_sync; None: nothing does): all micro-steps
-    but the last run in its no_sync(), with no communication until the gradients are
-    complete, and when this returns its finish_gradient_synchronization() has run.
-    The forward pass runs under autocast at `precision`; with a scaler, the loss is
-    multiplied by its scale before backward. `group` (chapter 10's mesh): the ranks whose
-    batches make up the global batch, the data-parallel group, of `world_size` ranks; the
-    tensor-parallel ranks of one replica share their batch and compute one loss together.
+    global_tokens. `sync` is what averages the gradients (None: nothing does): all
+    micro-steps but the last run in its no_sync(), and when this returns its
+    finish_gradient_synchronization() has run. The forward runs under autocast at
+    `precision`; with a scaler, the loss is multiplied by its scale before backward.
+    `group` (chapter 10's mesh): the data-parallel group, of `world_size` ranks.
     """
     # tokens in the global batch: one tiny collective per step (float64: exact counts)
     count = sum((y != -1).sum() for _, y in micro_batches).double().reshape(1)

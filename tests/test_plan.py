@@ -6,6 +6,7 @@ import itertools
 import pytest
 
 from minidist.memory import plan as P
+from minidist.run import plan as R  # the planners' command line
 from minidist.cost_model import MODELS
 from minidist.cost_model import GB
 from minidist.memory import step_memory
@@ -61,7 +62,7 @@ def test_nothing_fits_says_what_would():
 
 
 def test_plan_cli_prints_the_table(capsys):
-    P.main(["--preset", "gpt2", "--world-size", "8", "--budget-gb", "80"])
+    R.main(["memory", "--preset", "gpt2", "--world-size", "8", "--budget-gb", "80"])
     out = capsys.readouterr().out
     assert "plan: ZeRO-" in out and "7B x 1024" in out and "fits" in out
 
@@ -123,7 +124,7 @@ def test_auto_flags_with_a_budget_nothing_fits_fail_before_any_work(capsys):
 ])
 def test_planner_arguments_are_checked_before_any_planning(argv, says, capsys):
     with pytest.raises(SystemExit) as e:
-        P.main(argv)
+        R.main(["memory", *argv])
     captured = capsys.readouterr()
     assert e.value.code == 2 and says in captured.err and not captured.out, captured.err
 
@@ -137,9 +138,8 @@ def test_plan_refuses_sizes_no_run_can_have(batch, seq_len, world, budget):
 
 
 def test_measuring_recomputation_refuses_a_model_this_machine_cannot_hold(capsys, monkeypatch):
-    import minidist.memory.plan as P
-    monkeypatch.setattr(P, "_memory_here", lambda: 16e9)  # a 16 GB machine, whatever this one is
+    monkeypatch.setattr(R, "_memory_here", lambda: 16e9)  # a 16 GB machine, whatever this one is
     with pytest.raises(SystemExit) as e:
-        P.main(["--preset", "7B", "--measure-recompute", "1"])  # ~28 GB of fp32 weights alone
+        R.main(["memory", "--preset", "7B", "--measure-recompute", "1"])  # ~28 GB of fp32 weights alone
     err = capsys.readouterr().err
     assert e.value.code == 2 and "--measure-recompute builds 7B here" in err and "16.0 GB free" in err, err

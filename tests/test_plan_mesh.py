@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 from minidist.compose import plan_mesh as PM
+from minidist.run import plan as R  # the planners' command line
 from minidist.cost_model import Hardware, block_activation_bytes, rank_params, step_time
 from minidist.cost_model import GB
 from minidist.memory import step_memory
@@ -173,7 +174,7 @@ def test_nothing_fits_says_what_to_change():
 
 
 def test_cli_prints_the_choice_and_a_table(capsys):
-    PM.main(["--preset", "gpt2", "--world-size", "8", "--budget-gb", "80"])
+    R.main(["mesh", "--preset", "gpt2", "--world-size", "8", "--budget-gb", "80"])
     out = capsys.readouterr().out
     assert "plan: dp " in out and "ms a step modelled" in out
     assert out.count(" x pp ") >= 1 + len(PM.meshes(GPTConfig(**PRESETS["gpt2"]), 8))  # the plan + one row per shape
@@ -191,6 +192,6 @@ def test_cli_prints_the_choice_and_a_table(capsys):
 ])
 def test_bad_arguments_say_what_to_change(argv, says, capsys):
     with pytest.raises(SystemExit) as e:
-        PM.main(argv)
+        R.main(["mesh", *argv])
     captured = capsys.readouterr()
     assert e.value.code == 2 and says in captured.err and not captured.out, captured.err

@@ -3,27 +3,11 @@ Chapter 08 (chapters/08_at_scale.md). Exercised by `python -m minidist.bench sca
 (tests/test_cost_model.py, which also runs `all` with stub benchmarks) and by
 tests/test_bench.py.
 
-Each benchmark compares minidist with torch's own implementation in the same run, as
-ratios (absolute times do not travel between machines; ratios measured side by side do),
-prints a table and writes NAME.json and NAME.png into --out:
-
-    collectives  chapter 02: ring all-reduce, reduce-scatter, all-gather vs torch's; alpha-beta fit
-    ddp          chapter 03: naive, flat, bucketed DDP vs torch's DDP, by bucket cap
-    zero         chapter 06: ZeRO stages 0-3, memory vs the paper's formula, bytes, step time
-    muon         chapter 07: Newton-Schulz vs torch's, distributed Muon, Muon vs AdamW, and
-                 Muon under ZeRO stages 0-3 vs AdamW at the same stage
-    muon_zero    that last table alone
-    tp           chapter 10: tensor parallelism at tp 1, 2, 4: bytes, parameters, activations
-                 against the formulas, step time beside a GPU node's predicted; our parallel
-                 MLP vs torch's DTensor plans
-    pp           chapter 11: the pipeline bubble measured from recorded timelines vs
-                 (p-1)/(m+p-1) at p 2 and 4, m 1..16; in-flight activations counted vs
-                 the formulas, GPipe and 1F1B; both against torch.distributed.pipelining's
-                 schedules on the same stages (gradients, step time)
-    scale        chapter 08: minidist.cost_model from 8 to 1024 GPUs (no processes)
-    checksums    chapter 08: checkpoint save and load with and without their CRC-32s
-    all          every one above, then report.md (minidist/bench/report.py); exit status 1
-                 if any of them failed
+Each benchmark (collectives 02, ddp 03, zero 06, muon and muon_zero 07, checksums and scale
+08, tp 10, pp 11; each module's docstring says what it measures) compares minidist with
+torch's own implementation in the same run, as ratios: absolute times do not travel between
+machines, ratios measured side by side do. It prints a table and writes NAME.json and
+NAME.png into --out; `all` runs every one, then report.md (minidist/bench/report.py).
 """
 
 from __future__ import annotations
@@ -36,13 +20,9 @@ from minidist.run.flag_types import positive_int
 from minidist.bench import checksums, collectives, ddp, muon, muon_zero, pp, report, scale, tp, zero
 
 
-def all_benchmarks(args) -> dict:
-    return report.run_all(args, BENCHMARKS)
-
-
 BENCHMARKS = {"collectives": collectives.run, "ddp": ddp.run, "zero": zero.run, "muon": muon.run,
               "muon_zero": muon_zero.cli, "scale": scale.run, "checksums": checksums.run, "tp": tp.run,
-              "pp": pp.run, "all": all_benchmarks}
+              "pp": pp.run, "all": lambda args: report.run_all(args, BENCHMARKS)}
 
 
 def main(argv=None) -> None:

@@ -2,13 +2,9 @@
 (chapters/08_at_scale.md) quotes the figures. Exercised by `python -m minidist.bench
 checksums --quick` (tests/test_bench.py).
 
-Save and load time with and without the CRC-32s, on train_gpt's CPU model (the tiny
-preset, vocabulary 2048) and on the small preset, one process, AdamW state included, best
-of 9 (--quick: the tiny preset, one of each). "Without" replaces
-minidist.checkpoint.io.checksum by a function that returns 0, so the same code path runs
-minus the CRC-32s. Each figure is in CPU seconds of this process; the files go to a
-temporary folder (on most machines the page cache): this measures the CPU cost, which is
-what the checksums add, not the disk's speed.
+Save, load and verify with and without the CRC-32s ("without" swaps
+minidist.checkpoint.io.checksum for one that returns 0: the same path minus the CRCs), in CPU
+seconds of this process, best of 9: the CPU cost the checksums add, not the disk's speed.
 """
 
 import tempfile

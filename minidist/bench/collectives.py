@@ -2,12 +2,9 @@
 the same buffers in the same processes. Chapter 02 (chapters/02_collectives.md).
 Exercised by `python -m minidist.bench collectives --quick` (tests/test_bench.py).
 
-For each collective and size, on 2 and 4 ranks: the median time of ours and of torch's,
-interleaved (minidist/bench/timing.py: torch.utils.benchmark.Timer), and their bus bandwidths and ratio (machines here are noisy; ratios
-measured side by side travel, absolute times do not). all_reduce is chapter 02's plain
-ring (reduce-scatter, then all-gather); all_reduce_pipelined is minidist.comm's
-segmented one, both beside torch's all_reduce. Then alpha and beta, fitted by least
-squares to all our rows of one world size. Writes collectives.json and collectives.png.
+Per collective and size, on 2 and 4 ranks: ours and torch's, interleaved, their bus
+bandwidths and ratio (all_reduce: chapter 02's plain ring; all_reduce_pipelined:
+minidist.comm's segmented one); then alpha and beta, fitted to our rows of one world size.
 """
 
 from __future__ import annotations
@@ -21,14 +18,14 @@ import torch
 import torch.distributed as dist
 
 from minidist import comm
+from minidist.bench import rank_device
+from minidist.bench.report import pyplot, save_figure
 from minidist.bench.timing import timer
 from minidist.cost_model import MESSAGES, SENT_FRACTION
 from minidist.launch import launch
 
-# Per collective timed: (bus-bandwidth factor f(N), ring steps(N)), that is the bytes
-# each rank sends as a fraction of the message size S, and the messages it sends one
-# after another; chapter 02's formulas, held once in minidist.cost_model. The pipelined
-# all-reduce sends what the plain one sends, in as many steps.
+# Per collective: (the bytes each rank sends as a fraction of the message, its messages one
+# after another), chapter 02's formulas; the pipelined all-reduce sends what the plain one does.
 _FORMULA = {"all_reduce": "all_reduce", "all_reduce_pipelined": "all_reduce",
             "reduce_scatter": "reduce_scatter", "all_gather": "all_gather"}
 RING = {op: (SENT_FRACTION[f], MESSAGES["ring"][f]) for op, f in _FORMULA.items()}
@@ -54,7 +51,7 @@ def _time_collectives(ops, sizes, budget_s):
     """On every rank: per (op, size), interleaved repetitions of ours and torch's, each one
     call timed by minidist.bench.timing (a barrier before it, Timer's warm-up, then the
     call); the time of a repetition is the slowest rank's. Returns rows on rank 0."""
-    device = torch.device("cuda", dist.get_rank()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = rank_device()
     rows = []
     for op in ops:
         for S in sizes:
@@ -140,9 +137,7 @@ def _size(b: int) -> str:
 
 
 def _plot_collectives(rows, fits, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     ops = sorted({r["op"] for r in rows})
     fig, axes = plt.subplots(1, len(ops), figsize=(5 * len(ops), 4), squeeze=False)
     for ax, op in zip(axes[0], ops):
@@ -157,6 +152,4 @@ def _plot_collectives(rows, fits, path) -> None:
                     color="gray", label=f"alpha-beta N={n}")
         ax.set(xscale="log", xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)", title=op)
         ax.grid(alpha=0.3), ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

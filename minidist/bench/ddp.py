@@ -2,12 +2,9 @@
 and bucketed DDP against torch's DistributedDataParallel. Chapter 03
 (chapters/03_data_parallel.md). Exercised by `python -m minidist.bench ddp --quick`.
 
-train_gpt's CPU default model (tiny, vocab 2048) on 2 ranks, the same model and data for
-every variant, variants interleaved in many short rounds so that drifts in machine load
-hit all of them alike. Bucketed DDP runs at several bucket caps (0: one bucket per
-parameter; None: one bucket for everything), and once without overlap; `no_comm` is the
-step with nothing to send, so that step minus no_comm is the communication left exposed.
-Writes ddp.json and ddp.png.
+train_gpt's CPU default model on 2 ranks, variants interleaved in short rounds; bucketed DDP
+at several caps (0: one bucket per parameter; None: one for everything) and once without
+overlap; `no_comm` sends nothing, so a step minus no_comm is the communication left exposed.
 """
 
 from __future__ import annotations
@@ -18,7 +15,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from minidist.bench import cpu_default
+from minidist.bench import cpu_default, rank_device
+from minidist.bench.report import pyplot, save_figure
 from minidist.bench.timing import interleaved
 from minidist.ddp import DDP, allreduce_gradients_flat, allreduce_gradients_naive
 from minidist.run.flags import AUTO
@@ -29,7 +27,7 @@ from minidist.model import GPT, GPTConfig
 def _time_ddp(variants, steps, rounds, cfg_kw, per_rank_batch, seq_len):
     """Per variant, the median step time (forward, backward, sync, AdamW step) on the same
     model and data; variants interleaved in rounds so drift in machine load hits all."""
-    device = torch.device("cuda", dist.get_rank()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = rank_device()
     torch.manual_seed(0)
     cfg = GPTConfig(**cfg_kw)
     x = torch.randint(0, cfg.vocab_size, (per_rank_batch, seq_len), device=device)
@@ -60,8 +58,6 @@ def _time_ddp(variants, steps, rounds, cfg_kw, per_rank_batch, seq_len):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    # rounds of `steps` steps per variant, a barrier before each block (every rank starts
-    # together), Timer's warm-up steps right before it; the median over rounds
     t = interleaved({n: (lambda n=n: step(n)) for n in variants}, rounds, steps, before=lambda n: dist.barrier())
     return {n: m.median for n, m in t.items()} if dist.get_rank() == 0 else None
 
@@ -99,9 +95,7 @@ def run(args) -> dict:
 
 
 def _plot_ddp(t, caps, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = [0.05 if c == "0" else 8.0 if c == "None" else float(c) for c in caps]
     ax.plot(xs, [1e3 * t[f"bucketed:{c}"] for c in caps], "o-", label="minidist DDP (bucketed)")
@@ -110,6 +104,4 @@ def _plot_ddp(t, caps, path) -> None:
     ax.set(xscale="log", xlabel="bucket cap (MB; left: one per parameter, right: one bucket)",
            ylabel="step time (ms)", title="data parallel step time, 2 ranks")
     ax.legend(fontsize=8), ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

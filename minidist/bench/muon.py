@@ -2,24 +2,14 @@
 (chapters/07_muon.md). Exercised by `python -m minidist.bench muon --quick`
 (tests/test_bench.py).
 
-Three measurements, each beside torch's equivalent or a published bound:
+1. Newton-Schulz against matrix size, ours beside torch.optim.Muon's, and Muon's step against
+   forward+backward, beside Keller Jordan's estimate (about 5 m / tokens-per-step);
+2. distributed Muon's step at 1, 2 and 4 ranks, one thread per rank;
+3. Muon against AdamW on the embedded corpus, three learning rates each: the steps Muon
+   needs to reach AdamW's best final validation loss;
+4. Muon under ZeRO stages 0-3 against AdamW at the same stage (minidist/bench/muon_zero.py).
 
-1. Newton-Schulz time against matrix size, ours beside torch.optim.Muon's own iteration,
-   and Muon's step against forward+backward of train_gpt's default GPT, beside the FLOP
-   estimate from Keller Jordan's Muon write-up: 5 steps on an m x n matrix cost
-   5 (4 m^2 n + 2 m^3) FLOPs against 6 m n per token of training, a fraction of about
-   5 m / tokens-per-step (under 1% for typical language-model batches).
-2. Distributed Muon's optimizer step at 1, 2 and 4 ranks, one thread per rank: the gain
-   from each rank orthogonalising only its own matrices.
-3. Muon against AdamW on the embedded corpus: same model, same tokens, a sweep of three
-   learning rates each; how many steps Muon needs to reach AdamW's best final
-   validation loss.
-4. Muon under ZeRO stages 0-3 against AdamW at the same stage: optimizer state per rank
-   and bytes sent per step against their formulas, step time and the optimizer's share
-   (minidist/bench/muon_zero.py).
-
-`python -m minidist.bench.muon` measures Newton-Schulz alone (chapter 07, section 2): the
-singular-value band each coefficient choice leaves, and the speedup of batching by shape.
+`python -m minidist.bench.muon` measures Newton-Schulz alone (chapter 07, section 2).
 """
 
 from __future__ import annotations
@@ -34,17 +24,13 @@ import torch
 import torch.distributed as dist
 
 from minidist.bench import muon_zero
+from minidist.bench.report import pyplot, save_figure
 from minidist.bench.timing import interleaved, measure
 from minidist.cost_model import ns_flops
 from minidist.run.flags import AUTO
 from minidist.launch import launch
 from minidist.model import GPT, PRESETS, GPTConfig
 from minidist.muon import Muon, newton_schulz, newton_schulz_many, split_params
-
-
-def _median_time(fn, repeat: int) -> float:
-    """The median of `repeat` calls, each after Timer's warm-up (minidist/bench/timing.py)."""
-    return measure(fn, repeat).median
 
 
 def _ns_sizes(quick: bool, device):
@@ -54,9 +40,9 @@ def _ns_sizes(quick: bool, device):
     rows = []
     for m, n in sizes:
         G = torch.randn(m, n, device=device)
-        ours = _median_time(lambda: newton_schulz(G), 1 if quick else 9)
-        theirs = _median_time(lambda: torch_ns(G, (3.4445, -4.7750, 2.0315), 5, 1e-7), 1 if quick else 9)
-        fp32 = _median_time(lambda: newton_schulz(G, dtype=torch.float32), 1 if quick else 9)
+        ours = measure(lambda: newton_schulz(G), 1 if quick else 9).median
+        theirs = measure(lambda: torch_ns(G, (3.4445, -4.7750, 2.0315), 5, 1e-7), 1 if quick else 9).median
+        fp32 = measure(lambda: newton_schulz(G, dtype=torch.float32), 1 if quick else 9).median
         rows.append(dict(m=m, n=n, ours_bf16_s=ours, torch_bf16_s=theirs, ours_fp32_s=fp32,
                          ratio=ours / theirs, bf16_tflops=ns_flops(m, n) / ours / 1e12))
     return rows
@@ -86,8 +72,8 @@ def _step_vs_train(quick: bool, device) -> dict:
         model(x, x)[1].backward()
     fwd_bwd()
     opt = Muon(hidden, lr=1e-4)
-    t_train = _median_time(fwd_bwd, 1 if quick else 7)
-    t_step = _median_time(opt.step, 1 if quick else 7)
+    t_train = measure(fwd_bwd, 1 if quick else 7).median
+    t_step = measure(opt.step, 1 if quick else 7).median
     params = sum(p.numel() for p in model.parameters())
     flops_ns = sum(ns_flops(*p.shape) for p in hidden)
     flops_train = 6 * params * batch * T
@@ -107,7 +93,7 @@ def _distributed_step(cfg: dict, repeat: int) -> float | None:
     opt = Muon(hidden, lr=1e-4)
     # the barrier inside the timed call, as this table has always measured it: a step
     # here is "all ranks met, then each stepped"
-    t = _median_time(lambda: (dist.barrier(), opt.step()), repeat)
+    t = measure(lambda: (dist.barrier(), opt.step()), repeat).median
     return t if dist.get_rank() == 0 else None
 
 
@@ -196,13 +182,10 @@ def run(args) -> dict:
 
 
 def _plot(ns, curves, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    a.loglog([r["m"] * r["n"] for r in ns], [1e3 * r["ours_bf16_s"] for r in ns], "o-", label="ours bf16")
-    a.loglog([r["m"] * r["n"] for r in ns], [1e3 * r["torch_bf16_s"] for r in ns], "s--", label="torch bf16")
-    a.loglog([r["m"] * r["n"] for r in ns], [1e3 * r["ours_fp32_s"] for r in ns], "^:", label="ours fp32")
+    for key, style in (("ours_bf16_s", "o-"), ("torch_bf16_s", "s--"), ("ours_fp32_s", "^:")):
+        a.loglog([r["m"] * r["n"] for r in ns], [1e3 * r[key] for r in ns], style, label=key[:-2].replace("_", " "))
     a.set(xlabel="matrix entries (m x 4m)", ylabel="ms", title="Newton-Schulz, 5 steps")
     for name, run in curves["runs"].items():
         s, v = zip(*run["curve"])
@@ -211,9 +194,7 @@ def _plot(ns, curves, path) -> None:
     b.set(xlabel="step", ylabel="validation loss (nats/token)", title="Muon vs AdamW")
     for ax in (a, b):
         ax.legend(fontsize=7), ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ------------------------------------------------------------------ Newton-Schulz alone

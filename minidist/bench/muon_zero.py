@@ -3,17 +3,10 @@ against AdamW alone at the same stage. Chapter 07 (chapters/07_muon.md), section
 under ZeRO". Exercised by `python -m minidist.bench muon --quick` (tests/test_bench.py);
 this table alone: `python -m minidist.bench muon_zero --world-sizes 2`.
 
-For train_gpt's default CPU model (tiny preset, vocabulary 2048), built as train_gpt
-builds it (minidist.compose.build.make_optimizers and gradient_sync), on N ranks:
-- optimizer state per rank, measured (the tensors in the optimizers' state) against its
-  formula: AdamW's two fp32 moments of the elements this rank updates (all of them at
-  stage 0, 1/N of them under ZeRO) and Muon's one momentum of the matrices it owns;
-- bytes this rank sends per step, counted from every collective as a ring sends it
-  ((N-1)/N of a reduce-scatter's input or an all-gather's output, twice that for an
-  all-reduce, what an all-to-all sends to the other ranks), against
-  minidist.cost_model.muon_comm_volume (psi_muon = 0 for AdamW alone);
-- the step time against AdamW's at the same stage, and the optimizer step's share of it
-  (variants interleaved in rounds, medians: load drift on a shared machine hits all alike).
+train_gpt's default CPU model, built as train_gpt builds it (compose.build's make_optimizers
+and gradient_sync), on N ranks: optimizer state per rank and bytes sent per step (every
+collective counted as a ring sends it) against their formulas
+(minidist.cost_model.muon_comm_volume), the step time against AdamW's, and the optimizer's share.
 """
 
 from __future__ import annotations
@@ -23,9 +16,9 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from minidist.bench import cpu_default
+from minidist.bench import collective_bytes, cpu_default
 from minidist.bench.timing import clock, interleaved
-from minidist.cost_model import muon_comm_volume
+from minidist.cost_model import SENT_FRACTION, muon_comm_volume
 from minidist.launch import launch
 from minidist.model import GPT, GPTConfig
 from minidist.muon import split_params
@@ -41,33 +34,6 @@ def _build(cfg: dict, optimizer: str, stage: int):
     opts = make_optimizers(model, optimizer=optimizer, zero_stage=stage, lr=1e-3, weight_decay=0.1,
                            muon_lr=0.02, muon_momentum=0.95, muon_weight_decay=0.0)
     return model, opts, gradient_sync(model, opts, zero_stage=stage)
-
-
-class _Wire:
-    """Counts the bytes this rank sends, per collective, while installed (torch's
-    functions are put back on exit: the processes may live on)."""
-
-    NAMES = ("all_reduce", "reduce_scatter_single", "all_gather_single", "all_to_all_single")
-
-    def __enter__(self):
-        n, rank, self.sent = dist.get_world_size(), dist.get_rank(), 0
-        nbytes = lambda t: t.numel() * t.element_size()
-        sent = {"all_reduce": lambda a, k: 2 * (n - 1) / n * nbytes(a[0]),
-                "reduce_scatter_single": lambda a, k: (n - 1) / n * nbytes(a[1]),
-                "all_gather_single": lambda a, k: (n - 1) / n * nbytes(a[0]),
-                "all_to_all_single": lambda a, k: nbytes(a[1]) - (a[3][rank] if len(a) > 3 else
-                                                                  a[1].numel() // n) * a[1].element_size()}
-        self.real = {name: getattr(dist, name) for name in self.NAMES}
-        for name, real in self.real.items():
-            def counted(*a, _real=real, _name=name, **k):
-                self.sent += sent[_name](a, k)
-                return _real(*a, **k)
-            setattr(dist, name, counted)
-        return self
-
-    def __exit__(self, *exc):
-        for name, real in self.real.items():
-            setattr(dist, name, real)
 
 
 def _step(model, opts, sync, micro, n) -> float:
@@ -91,15 +57,14 @@ def _measure(cfg: dict, per_rank_batch: int, rounds: int, steps: int):
     out = {"sent": {}, "state": {}, "step_s": {}, "opt_share": {}}
     for v, (model, opts, sync) in runners.items():
         _step(model, opts, sync, micro, n)  # the first step creates the optimizer state
-        with _Wire() as wire:
+        with collective_bytes() as c:
             _step(model, opts, sync, micro, n)
-        out["sent"][v] = wire.sent
+        out["sent"][v] = sum(SENT_FRACTION[k](n) * b for k, b in c.items() if k in SENT_FRACTION) + c["all_to_all"]
         out["state"][v] = {type(o).__name__: sum(t.numel() * t.element_size() for s in o.state.values()
                                                  for t in s.values() if torch.is_tensor(t) and t.dim())
                            for o in opts}
-    # rounds of `steps` steps per variant (minidist/bench/timing.py): a barrier before each
-    # block, which also zeroes the variant's optimizer seconds, so that after the block they
-    # hold its timed steps' alone (Timer's warm-up steps come after the first barrier)
+    # the barrier before each block also zeroes the variant's optimizer seconds, so that after
+    # the block they hold its timed steps' alone (Timer's warm-up steps come after the barrier)
     opt_s, shares = dict.fromkeys(VARIANTS, 0.0), {v: [] for v in VARIANTS}
 
     def step(v):

@@ -1,41 +1,14 @@
 """`python -m minidist.bench pp`: pipeline parallelism's bubble and in-flight memory, measured
 on recorded timelines and counted, against their formulas. Chapter 11
-(chapters/11_pipeline.md). Exercised by `python -m minidist.bench pp --quick`
-(tests/test_bench.py).
+(chapters/11_pipeline.md, which reads the table). Exercised by `python -m minidist.bench pp
+--quick` (tests/test_bench.py).
 
-At p = 2 and 4 stages (one process each) and m = 1..16 micro-batches, both schedules
-(GPipe, 1F1B), every stage records its step (minidist.pipeline.measure.StepRecord):
-
-- the bubble: the share of p x the step's time in which no stage ran a forward or a
-  backward, from the recorded timelines (bubble_fraction), against (p-1)/(m+p-1), as the
-  ratio measured / formula per point (median of a few steps);
-- the in-flight memory: the most micro-batches a stage held between forward and backward,
-  and the most bytes saved for backward at once (counted by autograd's pack hook, as
-  chapter 09 counts them), against m (GPipe) and min(p - stage, m) (1F1B) times one
-  micro-batch's bytes on that stage (stage_activation_bytes). These are exact: equal or not.
-
-The model is sized so that compute dominates the messages: 4 blocks of width 256 and
-8 x 128-token micro-batches, so one stage's forward of one micro-batch takes tens of ms on
-one CPU core, and the activation it sends (1 MB) about a millisecond over loopback.
-
-What 2 cores do to the measurement. Each process gets one thread (launch divides the
-cores among the ranks). At p = 2 each stage has a core of its own, as the formula assumes,
-and the measured bubble follows (p-1)/(m+p-1), the more so at small m; as m grows, what the
-formula leaves out (the messages, Python between the operations, the last stage's head,
-other jobs on a shared machine) is a growing share of a shrinking bubble, and the ratio
-rises above 1. At p = 4 the four stages share two cores: every stage runs on a core about
-half of its wall time (the "on core" column, at most cores / p), so its forwards and
-backwards are stretched in wall time, and so are its waits; the wall-clock shares, and so
-the measured bubble, still come out near the formula, but the idle is not idle hardware: a
-stage that waits for a message sleeps in gloo and its core runs another stage's work. The
-step takes about twice as long as with a core per stage. With one device per stage (a GPU
-each), the bubble is the device's idle time, as the formula means it.
-
-Against torch. torch.distributed.pipelining runs the same stages (the same modules, cut
-the same way) under its own ScheduleGPipe and Schedule1F1B: per schedule and m, one step
-of each from the same weights must give the same gradients (max |difference| printed),
-and then the two take turns, step for step, timed (bench/timing.py): the ratio torch's
-time / ours, > 1 where minidist's step is faster.
+At p = 2 and 4 stages (a process each), m = 1..16, GPipe and 1F1B: the bubble from the
+recorded timelines (bubble_fraction) against (p-1)/(m+p-1); the micro-batches and bytes in
+flight, counted, against the formulas (exact: equal or not); and torch.distributed.pipelining's
+schedules on the same stages (the same gradients, step time). The model is sized so compute
+dominates the messages. With fewer cores than stages the idle is not idle hardware (a waiting
+stage's core runs another's work): the "on core" column says how much each stage had.
 """
 
 from __future__ import annotations
@@ -50,6 +23,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from minidist.bench import rank_device
+from minidist.bench.report import pyplot, save_figure
 from minidist.bench.timing import interleaved
 from minidist.launch import launch
 from minidist.model import GPT, GPTConfig
@@ -64,24 +39,20 @@ QUICK = dict(cfg=dict(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=
              ps=(2,), ms=(1, 2, 4), repeats=1, torch_ms=(2,), torch_rounds=1)
 
 
-def _rank_device() -> torch.device:
-    # the device this rank's backend expects: its GPU under NCCL, the CPU under gloo
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _micro_batches(cfg: dict, B: int, n: int, seed: int, dev) -> list:
+    """n (input, target) pairs of B sequences: one tensor each (the byte count dedups by
+    storage, so no views of one batch)."""
+    g, size = torch.Generator().manual_seed(seed), (B, cfg["block_size"])
+    return [tuple(torch.randint(0, cfg["vocab_size"], size, generator=g).to(dev) for _ in "xy") for _ in range(n)]
 
 
 def _sweep(cfg: dict, B: int, ms, repeats: int) -> dict | None:
     """On every stage: each (schedule, m) run `repeats` times after a warm-up; rank 0 gets
     every stage's records and CPU seconds."""
-    dev, p = _rank_device(), dist.get_world_size()
+    dev, p = rank_device(), dist.get_world_size()
     torch.manual_seed(0)  # the same full model on every stage, cut there
     stage = Stage(GPT(GPTConfig(**cfg)).to(dev), None)
-    T = cfg["block_size"]
-    g = torch.Generator().manual_seed(1)
-    # one tensor per micro-batch (the byte count dedups by storage, so no views of one batch)
-    mbs = [(torch.randint(0, cfg["vocab_size"], (B, T), generator=g).to(dev),
-            torch.randint(0, cfg["vocab_size"], (B, T), generator=g).to(dev)) for _ in range(max(ms))]
+    mbs = _micro_batches(cfg, B, max(ms), 1, dev)
     for sched in SCHEDULES:  # warm-up: allocator, gloo's pairs, the first-call overheads
         pipeline_step(stage, mbs[:min(2, len(mbs))], sched)
     out = {}
@@ -125,14 +96,11 @@ def _versus_torch(cfg: dict, B: int, ms, rounds: int) -> list | None:
     every stage's (difference, our median s, torch's median s)."""
     # imported here, on the ranks that compare: it takes seconds, and nothing else needs it
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-    dev, p, rank = _rank_device(), dist.get_world_size(), dist.get_rank()
+    dev, p, rank = rank_device(), dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     full = GPT(GPTConfig(**cfg)).to(dev)
     ours, theirs = Stage(full, None), Stage(full, None)  # two copies of the same weights
-    g = torch.Generator().manual_seed(2)
-    T, V = cfg["block_size"], cfg["vocab_size"]
-    mbs = [(torch.randint(0, V, (B, T), generator=g).to(dev), torch.randint(0, V, (B, T), generator=g).to(dev))
-           for _ in range(max(ms))]
+    mbs = _micro_batches(cfg, B, max(ms), 2, dev)
     rows = []
     for sched in SCHEDULES:
         for m in ms:
@@ -245,9 +213,7 @@ def run(args) -> dict:
 
 
 def _plot(result, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     ps = sorted({pt["p"] for pt in result["points"]})
     fig, axes = plt.subplots(1, len(ps), figsize=(5.2 * len(ps), 3.8), squeeze=False, sharey=True)
     for ax, p in zip(axes[0], ps):
@@ -269,6 +235,4 @@ def _plot(result, path) -> None:
     axes[0][0].set_ylabel("bubble: idle share of the step")
     fig.suptitle("Pipeline bubble, measured from the recorded timelines (median, range of the steps) "
                  "vs the formula", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -1,14 +1,11 @@
-"""`python -m minidist.bench all`: every benchmark in one go, and one report.md. Chapter 08
-(chapters/08_at_scale.md). Exercised by `python -m minidist.bench all --quick` and
-tests/test_cost_model.py (with stub benchmarks). minidist/bench/__main__.py hands it the
-benchmarks by name, so this module imports none of them.
+"""`python -m minidist.bench all`: every benchmark in one go, and one report.md; and the
+plotting every benchmark shares. Chapter 08 (chapters/08_at_scale.md). Exercised by
+`python -m minidist.bench all --quick` and tests/test_cost_model.py (with stub benchmarks).
+minidist/bench/__main__.py hands it the benchmarks by name, so this module imports none.
 
-Runs collectives, ddp, zero, muon, tp, pp, checksums and scale, in that order (scale last: it compares its
-model with what the others just measured), with the same arguments, each writing its
-NAME.json and NAME.png into --out as when run alone. report.md holds, per benchmark, its
-tables in markdown, its plot by relative link, and what it printed; at the top, the
-machine (CPUs, torch, device) and the date. A benchmark that fails leaves its traceback
-in the report and the others still run; the exit status is then 1.
+Runs them in ORDER (scale last: it compares its model with what the others just measured),
+each writing its NAME.json and NAME.png into --out as when run alone. A benchmark that fails
+leaves its traceback in the report and the others still run; the exit status is then 1.
 """
 
 from __future__ import annotations
@@ -142,11 +139,23 @@ def run_all(args, benchmarks: dict) -> dict:
     return summary
 
 
-def _overview(pngs: list[Path], path: Path) -> None:
-    """all.png: every benchmark's plot, one above the other."""
+def pyplot():
+    """matplotlib.pyplot drawing into files (Agg), imported only when a benchmark plots."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
+
+
+def save_figure(fig, path, dpi: int = 110) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+
+
+def _overview(pngs: list[Path], path: Path) -> None:
+    """all.png: every benchmark's plot, one above the other."""
+    plt = pyplot()
     images = [plt.imread(p) for p in pngs]
     fig, axes = plt.subplots(max(1, len(images)), 1, figsize=(12, 4.5 * max(1, len(images))), squeeze=False)
     for ax, img, p in zip(axes[:, 0], images, pngs):
@@ -154,6 +163,4 @@ def _overview(pngs: list[Path], path: Path) -> None:
         ax.set_title(p.stem)
     for ax in axes[:, 0]:
         ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    save_figure(fig, path, dpi=80)

@@ -2,16 +2,10 @@
 and ZeRO-1/2/3 from 8 to 1024 GPUs. Chapter 08 (chapters/08_at_scale.md). Exercised by
 `python -m minidist.bench scale --quick` (tests/test_cost_model.py).
 
-No training and no processes: a table of model x N x strategy (step time, exposed
-communication, scaling efficiency with ring and with tree latencies, memory per GPU and
-whether it fits an 80 GB H100 or a 141 GB H200: minidist.cost_model.memory_per_gpu, the
-parts of minidist.memory.step_memory), scale.json, and scale.png (efficiency
-against N, one panel per model; memory per GPU below). Weak scaling: each GPU keeps a
-micro-batch of MICRO_BATCH sequences of 1024 tokens whatever N.
-
-Then the same model with this machine's alpha and beta (collectives.json in --out, from
-`python -m minidist.bench collectives`) against what `ddp` and `zero` measured here, when
-their JSON is in --out too.
+No processes: model x N x strategy, weak scaling (MICRO_BATCH sequences of 1024 tokens per
+GPU): step time, exposed communication, efficiency (ring and tree latencies), memory per GPU
+against 80 and 141 GB. Then the same model with this machine's alpha and beta
+(collectives.json in --out) against what `ddp` and `zero` measured, where their JSON is there.
 """
 
 from __future__ import annotations
@@ -24,6 +18,7 @@ from pathlib import Path
 from minidist.cost_model import (MEMORY_LIMITS_GB, MODELS, STRATEGIES, Hardware, collective_time, exposed_time,
                                  hardware_from_fit, scan, step_time)
 from minidist.bench import cpu_default
+from minidist.bench.report import pyplot, save_figure
 from minidist.model import GPTConfig, config_num_params
 
 MICRO_BATCH = 8  # sequences per GPU per step: 8192 tokens
@@ -51,17 +46,12 @@ def _load(path: Path):
 
 def compare_with_measured(out: Path) -> list[dict]:
     """The model with this machine's alpha and beta against what the other benchmarks
-    measured here, where their JSON is in `out`. Only differences of step time are
-    compared: compute is taken from the measurement itself (a CPU has no agreed peak).
-
-    - ddp.json: the communication data parallelism exposes on train_gpt's CPU model at
-      N = 2 in 1 MB buckets, without overlap (step minus the step that sends nothing),
-      and with it, where the model's perfect overlap says what it hopes for.
-    - zero.json: each ZeRO stage's step time over stage 0's, per N, fp32 on the wire.
-      bench zero times torch's gloo collectives while alpha and beta were fitted on
-      minidist's rings, and gloo's reduce-scatter sends an all-reduce's bytes (chapter
-      02): expect the model to under-predict stages 2 and 3 a little.
-    """
+    measured here, where their JSON is in `out`: ddp.json's exposed communication (N = 2,
+    1 MB buckets, with and without overlap) and zero.json's step time of each stage over
+    stage 0's. Only differences of step time: compute comes from the measurement itself (a
+    CPU has no agreed peak). bench zero times gloo, whose reduce-scatter sends an all-reduce's
+    bytes (chapter 02), against alpha and beta fitted on our rings: expect the model to
+    under-predict stages 2 and 3 a little."""
     fits = (_load(out / "collectives.json") or {}).get("alpha_beta")
     if not fits:
         return []
@@ -133,9 +123,7 @@ def run(args) -> dict:
 
 
 def _plot(rows, models, ns, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, axes = plt.subplots(2, len(models), figsize=(4.2 * len(models), 7.5), squeeze=False)
     for col, label in enumerate(models):
         eff_ax, mem_ax = axes[0][col], axes[1][col]
@@ -157,6 +145,4 @@ def _plot(rows, models, ns, path) -> None:
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     axes[1][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -2,19 +2,11 @@
 (chapters/08_at_scale.md) gathers the benchmarks; every timed loop of minidist/bench/
 goes through this module. Exercised by tests/test_bench.py.
 
-Timer does what each benchmark used to write by hand: it synchronises the accelerator
-each time it reads the clock (a GPU's queued kernels fall inside the measurement), turns
-Python's garbage collector off while timing, runs warm-up calls right before each timed
-block (two, for the blocks here), and returns a Measurement (median, mean, IQR, the times
-per call). Three choices are made here, once for every benchmark:
-
-- threads: Timer runs with one torch thread unless told otherwise; the benchmarks time
-  what training runs, with the threads this process has (torch.get_num_threads()).
-- a fixed count: every block runs exactly `number` calls, never an adaptive count
-  (Timer.blocked_autorange), because a step timed on several ranks calls collectives,
-  and every rank must make the same calls or they deadlock.
-- `before`: Timer's setup, run before each block and its warm-up, outside the clock: a
-  barrier there starts every rank's block together, as the hand-written loops did.
+Timer synchronises the accelerator when it reads the clock, turns the garbage collector off
+and runs warm-up calls before each block. Chosen here once: the process's own thread count
+(Timer's default is one); a fixed count of calls per block, never blocked_autorange, because
+every rank must make the same collective calls or they deadlock; and `before`, run untimed
+ahead of each block (a barrier there starts every rank's block together).
 """
 
 from __future__ import annotations

@@ -2,34 +2,23 @@
 prediction for a GPU node. Chapter 10 (chapters/10_tensor_parallel.md). Exercised by
 `python -m minidist.bench tp --quick` (tests/test_bench.py).
 
-For train_gpt's default CPU model, at each world size N and each tp that divides it (the
-rest of the ranks data-parallel, dp = N / tp), per rank: the bytes tensor parallelism
-hands to collectives in one forward + backward (counted, against
-tensor_parallel_cost.comm_bytes), the parameter bytes (against param_bytes), the
-activation bytes one block saves for backward (counted as chapter 09 counts them, against
-tp_block_activation_bytes), and the step time (forward, backward, gradient averaging over
-dp, clipping, AdamW) relative to tp 1 (plain data parallelism), the layouts interleaved in
-rounds so that load drift hits them alike. Beside it, the step time the cost model
-predicts for a GPU node (tensor_parallel_cost.tp_step_time, labelled predicted). And, as
-the comparison with torch in the same run, our tensor-parallel MLP against torch's own
-(DTensor, ColwiseParallel + RowwiseParallel), forward + backward, same shapes.
-
-On this 2-core CPU tensor parallelism is expected to lose to data parallelism: N ranks
-share 2 cores, and each all-reduce on loopback costs more than its halved matmuls save.
-On a GPU node, with NVLink and wide layers, the prediction says where it pays.
+Per world size N and tp dividing it (dp = N / tp): bytes handed to collectives, parameter
+bytes and one block's saved activations, each against tensor_parallel.cost's formula; the
+step time relative to tp 1, beside tp_step_time's prediction for a GPU node; and our
+parallel MLP against torch's DTensor plans. On a 2-core CPU tensor parallelism is expected
+to lose to data parallelism (each loopback all-reduce costs more than its halved matmuls save).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections import Counter
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from minidist.bench import cpu_default
+from minidist.bench import collective_bytes, cpu_default
+from minidist.bench.report import pyplot, save_figure
 from minidist.bench.timing import interleaved
 from minidist.cost_model import SENT_FRACTION
 from minidist.launch import launch
@@ -40,29 +29,6 @@ from minidist.tensor_parallel.cost import comm_bytes, param_bytes, tp_block_acti
 from minidist.tensor_parallel.gpt import ParallelMLP, parallelize
 from minidist.compose.build import gradient_sync
 from minidist.train import forward_backward
-
-COUNTED = {"all_reduce": 0, "all_gather_single": 0, "reduce_scatter_single": 1}  # name -> tensor arg
-
-
-@contextlib.contextmanager
-def counting():
-    """Bytes handed to torch.distributed's collectives while inside (per kind)."""
-    counts, real = Counter(), {name: getattr(dist, name) for name in COUNTED}
-
-    def wrap(name):
-        def counted(*args, **kwargs):
-            t = args[COUNTED[name]]
-            counts[name.replace("_single", "")] += t.numel() * t.element_size()
-            return real[name](*args, **kwargs)
-        return counted
-    for name in COUNTED:
-        setattr(dist, name, wrap(name))
-    try:
-        yield counts
-    finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
-
 
 def _layout(cfg, tp, sp):
     torch.manual_seed(0)
@@ -82,7 +48,7 @@ def _measure(cfg, global_batch, rounds, steps, layouts):
         g = torch.Generator().manual_seed(mesh.dp_rank)  # a replica's tp ranks share its batch
         x = torch.randint(0, cfg["vocab_size"], (global_batch // mesh.dp, cfg["block_size"]), generator=g)
         y = torch.roll(x, -1, 1)
-        with counting() as c, sync.no_sync():  # tensor parallelism's own bytes, no averaging
+        with collective_bytes() as c, sync.no_sync():  # tensor parallelism's own bytes, no averaging
             model(x, y)[1].backward()
         model.zero_grad()
         saved = count_saved_bytes(model, x, y)["blocks"][0]
@@ -161,9 +127,7 @@ def run(args) -> dict:
 
 
 def _plot(result, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     runs = result["runs"]
     fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 3.8), squeeze=False)
     for ax, (n, r) in zip(axes[0], runs.items()):
@@ -176,6 +140,4 @@ def _plot(result, path) -> None:
         ax.set_xticks(list(xs), names)
         ax.set(ylabel="step time / tp 1's", title=f"tensor parallelism, {n} ranks")
         ax.legend(), ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -2,14 +2,10 @@
 Chapter 06 (chapters/06_zero.md). Exercised by `python -m minidist.bench zero --quick`
 (tests/test_bench.py).
 
-For train_gpt's default model with AdamW, at each world size: the tensor bytes each rank
-holds after a step (parameters, gradients, optimizer state), beside the ZeRO paper's
-formula with K = 8 (fp32 parameters and AdamW's two moments, see chapter 05); the bytes
-each rank sends per step, counted on the wire by running minidist's ring collectives; the
-step time of each stage relative to stage 0 (torch's collectives, variants interleaved in
-rounds so that load drift hits all alike); and ZeRO-3 with and without prefetch. Then the
-paper's formulas for larger models and clusters (K = 12, mixed precision), reproducing its
-7.5B-parameter, 64-GPU example.
+train_gpt's default model with AdamW, per world size: the bytes each rank holds after a step
+against the ZeRO paper's formula (K = 8: fp32 AdamW), the bytes sent per step counted on
+minidist's rings, the step time relative to stage 0 (torch's collectives), ZeRO-3 with and
+without prefetch; then the paper's formulas (K = 12) for its larger models and clusters.
 """
 
 from __future__ import annotations
@@ -23,6 +19,7 @@ from minidist.comm import all_reduce, count_bytes
 from minidist.cost_model import model_state_bytes
 from minidist.ddp import DDP
 from minidist.bench import cpu_default
+from minidist.bench.report import pyplot, save_figure
 from minidist.bench.timing import interleaved
 from minidist.launch import launch
 from minidist.model import GPT, GPTConfig, config_num_params
@@ -82,8 +79,6 @@ def _measure(cfg, per_rank_batch, rounds, steps):
         forward_backward(fwd, micro, dist.get_world_size(), zero)
         opt.step()
         opt.zero_grad()
-    # rounds of `steps` steps per variant, a barrier before each block, Timer's warm-up
-    # steps right before it (minidist/bench/timing.py); the median over rounds
     times = interleaved({n: (lambda n=n: step(n)) for n in VARIANTS}, rounds, steps, before=lambda n: dist.barrier())
     out["step_s"] = {n: m.median for n, m in times.items()}
     return out if rank == 0 else None
@@ -127,9 +122,7 @@ def run(args) -> dict:
 
 
 def _plot(result, path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     runs = result["runs"]
     fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 4), squeeze=False)
     for ax, (n, r) in zip(axes[0], runs.items()):
@@ -142,6 +135,4 @@ def _plot(result, path) -> None:
         ax.set_xticks(list(xs), names)
         ax.set(ylabel="MB per rank", title=f"ZeRO memory per rank, N={n}")
         ax.legend(), ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

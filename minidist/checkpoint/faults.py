@@ -6,18 +6,11 @@
     torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --debug-collectives
     pytest tests/test_faults.py
 
-Every rank must call the same collectives in the same order with tensors of the same
-shapes. When one rank does not (it skipped a backward, took another branch, has a
-different number of parameters), the others wait in a collective that will never
-complete: the job hangs until the process group's timeout, and the error then names
-neither the collective nor the rank at fault. Debug mode (trace_collectives) finds both:
-before each collective, every rank publishes (sequence number, op, shape, dtype, the line
-that called it) in the rendezvous store that all ranks already share, and waits for every
-peer's entry under the same number. Different entries: CollectiveMismatch at once, with
-both sides. A peer that does not arrive within the timeout: CollectiveMismatch naming it,
-and the last collective it did reach. It costs a few store round trips per collective per
-peer, so it is for debugging, not for training at scale (torch's own
-TORCH_DISTRIBUTED_DEBUG=DETAIL checks collectives' shapes in a similar spirit).
+A rank that calls a different collective from its peers hangs the job until the timeout,
+and the error names neither the collective nor the rank. Debug mode (trace_collectives)
+finds both: before each collective, every rank publishes (sequence number, op, shape,
+dtype, calling line) in the rendezvous store and checks every peer's entry under the same
+number (CollectiveMismatch). A few store round trips per collective: for debugging only.
 """
 
 from __future__ import annotations
@@ -52,8 +45,7 @@ def parse_fault(spec: str | None) -> tuple[str, int, int] | None:
 def inject_fault(point: str, step: int, rank: int) -> None:
     """MINIDIST_FAULT="kill:POINT:STEP:RANK" SIGKILLs rank RANK at POINT ("step": after
     optimizer step STEP; "save": while saving step STEP, after its shard is written and
-    before the checkpoint is complete). Only the first attempt of a torchrun job is
-    killed, so the restarted one runs through. Unset, it does nothing."""
+    before the checkpoint is complete), on a torchrun job's first attempt only."""
     fault = parse_fault(os.environ.get("MINIDIST_FAULT"))
     if not fault or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
@@ -167,11 +159,9 @@ def stop_tracing() -> None:
 # ---------------------------------------------------------------- endings: signals, lost peers
 
 class StopOnSignal:
-    """SIGTERM and SIGINT (what a scheduler, torchrun or Ctrl-C sends) become a clean stop
-    at the end of the current step: every rank finishes it, a checkpoint is saved (with
-    --checkpoint-every), summary.json says so and rank 0 names the command to resume. A
-    second signal some seconds after the first acts at once, as it would without this.
-    Installed only in the main thread (Python's rule); undone on exit."""
+    """SIGTERM and SIGINT become a clean stop at the end of the current step (a checkpoint
+    saved with --checkpoint-every, the command to resume named). A second signal some
+    seconds later acts at once. Installed only in the main thread; undone on exit."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

@@ -5,25 +5,11 @@ rank saves and loads, this module how it lies on disk. Exercised by:
     python -m minidist.run.checkpoints out/checkpoints  # each checkpoint: intact, or damaged and where
     python -m minidist.bench checksums                 # what the checksums cost
 
-A checkpoint folder, step_SSSSSSSS (the step, 8 digits or more), holds meta.json and one
-shard_RRRRR_of_NNNNN.pt per rank that saved it.
-
-Checksums (format 2 on). Each shard file carries the CRC-32 of every piece's bytes (and
-of its scalars and RNG states), and meta.json the CRC-32 of its own content. A disk that
-flips bits, a copy cut short, a hand edit of "step": each would load as garbage and train
-on; with the checksums it is an error that names the folder, the file and the tensor.
-CRC-32 (zlib.crc32, over the tensor's bytes through numpy) because it is cheap, a few GB/s
-on one core, about as fast as Adler-32, and better at what a disk does: it catches every
-burst of up to 32 flipped bits. It guards against accidents, not an adversary (who could
-recompute it); that would need a cryptographic hash, which is slower.
-
-Trusted only when whole: a checkpoint is read only after its meta.json fits the schema,
-every shard file is there, fits its own schema and is bound to this checkpoint (its
-identity, format 3), and its pieces cover each tensor exactly once; what that means, and
-why: minidist/checkpoint/schema.py. Anything else is damaged, and said so.
-
-Rotation (prune) deletes only what save() wrote: folders named exactly step_SSSSSSSS with
-minidist's marker in their meta.json, never the checkpoint just saved.
+A folder step_SSSSSSSS holds meta.json and one shard_RRRRR_of_NNNNN.pt per rank. Each
+shard carries the CRC-32 of every piece's bytes, meta.json of its own content: cheap, and
+it catches every burst of up to 32 flipped bits (an accident, not an adversary). A
+checkpoint is read only when whole (minidist/checkpoint/schema.py); rotation (prune)
+deletes only folders save() wrote, never the checkpoint just saved.
 """
 
 from __future__ import annotations
@@ -101,9 +87,8 @@ def _meta_text(meta: dict) -> str:
 
 
 def write_meta(path: Path, meta: dict) -> None:
-    """meta.json with the checksum of its own content (strict JSON: NaN becomes null).
-    Raises CheckpointError if what it would write does not fit the schema, so that no
-    checkpoint is written that read_meta would call damaged."""
+    """meta.json with the checksum of its own content (strict JSON). CheckpointError if it
+    would not fit the schema: nothing is written that read_meta would call damaged."""
     meta = json.loads(_meta_text(meta))  # what a reader will see: lists, not tuples
     meta["checksum"] = zlib.crc32(_meta_text(meta).encode())
     text = to_json(meta, indent=1)
@@ -117,9 +102,8 @@ def write_meta(path: Path, meta: dict) -> None:
 # ---- finding and reading ------------------------------------------------------------
 
 def list_checkpoints(root) -> list[Path]:
-    """The complete checkpoints under `root`, oldest first: the folders named exactly as
-    save() names them (step_00000100, not step_00000100.good) that hold a meta.json.
-    Hidden, unfinished ones are not listed: a folder step_* exists only once it is whole."""
+    """The complete checkpoints under `root`, oldest first: folders named exactly as save()
+    names them (step_00000100, not step_00000100.good) that hold a meta.json."""
     root = Path(root)
     if not root.is_dir():
         return []
@@ -138,8 +122,7 @@ JUNK = re.compile(r"\.(tmp|old)_step_\d{8,}")  # what a save that was killed lea
 
 def prune(root, keep: int, final: Path | None = None) -> None:
     """Keep the newest `keep` checkpoints under `root` (0: all), and always `final` (the one
-    just saved, finite and whole); delete the older ones, but only folders save() wrote:
-    a user's step_00000002.good, or a step_* folder without minidist's marker, stays."""
+    just saved); delete the older ones, but only folders save() wrote."""
     if keep <= 0:
         return
     ours = [p for p in list_checkpoints(root) if written_by_minidist(p)]
@@ -184,9 +167,8 @@ def read_meta(path) -> dict:
 
 class Reader:
     """Every piece of a checkpoint, indexed by key, memory-mapped (read lazily). Opening
-    checks meta.json, that every rank's file is there, readable, of this checkpoint and
-    whole (its pieces cover each tensor exactly once), and the small things (scalars, RNG
-    states); verify() checks pieces, reading their bytes."""
+    checks meta.json, every rank's file, coverage and the scalars and RNG states;
+    verify() checks the pieces' bytes."""
 
     def __init__(self, path):
         self.path, self.meta = Path(path), read_meta(path)
@@ -279,8 +261,7 @@ class CheckpointPastEndError(ValueError):
 
 def check_step(meta_or_path, steps: int) -> None:
     """Raise CheckpointPastEndError if the checkpoint (its meta, or its folder) was saved
-    at a step beyond `steps`, the resuming run's planned end: it would train nothing and
-    report a finished run. (At exactly `steps`: the run ends, it only evaluates.)"""
+    at a step beyond `steps`, the resuming run's planned end: it would train nothing."""
     named = isinstance(meta_or_path, (str, os.PathLike))
     meta = read_meta(meta_or_path) if named else meta_or_path
     if meta["step"] > steps:

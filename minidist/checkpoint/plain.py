@@ -10,10 +10,8 @@ of every state), so each rank writes its own. Atomic: everything goes into a hid
 folder, and only when every rank has written (a barrier) does rank 0 rename it to its
 name, so a kill at any moment leaves the whole checkpoint or none of it.
 
-This plain form reads back on the world size that wrote it. minidist.checkpoint.save and
-load (sharded.py) name pieces by element ranges of the full tensors instead, so any world
-size, ZeRO stage or tensor-parallel cut reads them; and they add checksums, a refusal to
-save NaN or inf, the loss scaler, each rank's RNG, rotation, and errors that every rank hears.
+This plain form reads back on the world size that wrote it; minidist.checkpoint's save and
+load name pieces by element ranges of the full tensors, so any world size or cut reads them.
 """
 
 from __future__ import annotations

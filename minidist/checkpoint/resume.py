@@ -7,10 +7,8 @@ settings, not past the run's end, and not mixed into another run's folder. Chapt
         --checkpoint-every 50 --resume auto
     pytest tests/test_reliability.py tests/test_checkpoint_trust.py
 
-A restarted job (torchrun --max-restarts) runs the same command again: with `--resume auto`
-it must find the newest checkpoint it can trust, skip (with one line) one that a kill left
-damaged, and start fresh when there is none yet. minidist/checkpoint/sharded.py writes and reads
-the checkpoints; this module only decides which one to read.
+A restarted job runs the same command again: `--resume auto` must skip (with one line)
+a checkpoint a kill left damaged, and start fresh when there is none yet.
 """
 
 from __future__ import annotations
@@ -47,11 +45,9 @@ def _same_settings(path: Path, settings: dict, may_change) -> None:
 
 def find_resume(resume: str | None, root, settings: dict, may_change=()) -> Path | None:
     """The checkpoint a run should resume from: resume="auto", the newest intact one under
-    `root` (None if there is none yet: a first start; a damaged, incomplete or unreadable
-    one is skipped with one line, so a restarted job does not fail the same way on every
-    attempt); a path, that checkpoint, which must be intact; None, nothing. Raises
-    ValueError, before any work, if it was saved with other `settings` than these (keys in
-    `may_change` may differ: how the run is spread, not what it computes)."""
+    `root` (None if there is none yet; a damaged one is skipped with one line); a path,
+    that checkpoint, which must be intact; None, nothing. ValueError if it was saved with
+    other `settings` than these (keys in `may_change` may differ)."""
     if resume is None:
         return None
     if resume != "auto":
@@ -82,10 +78,8 @@ def find_resume(resume: str | None, root, settings: dict, may_change=()) -> Path
 
 def resume_from(resume: str | None, root, checkpoint_every: int, settings: dict, may_change=()):
     """train_gpt's --resume, checked before any work: the checkpoint to resume from (None: a
-    fresh start), or ValueError saying what to change. A fresh run, or one resumed from a
-    checkpoint elsewhere, is refused where `root` holds another run's checkpoints, which its
-    own would be mixed with and pruned: --resume auto continues that run, another --out-dir
-    starts a new one."""
+    fresh start), or ValueError saying what to change. A fresh run is refused where `root`
+    holds another run's checkpoints, which its own would be mixed with and pruned."""
     if resume not in (None, "auto") and Path(resume).is_dir() and not (Path(resume) / "meta.json").exists():
         inside = checkpoint.latest(Path(resume)) or checkpoint.latest(Path(resume) / "checkpoints")
         if inside is not None:  # a run's OUT_DIR or its checkpoints folder, not one checkpoint

@@ -3,14 +3,10 @@ meta.json, of each shard file, and the identity that binds a shard to its checkp
 Chapter 08 (chapters/08_at_scale.md, its appendix says why each rule); io.py reads the
 files and asks these questions. Exercised by `pytest tests/test_checkpoint_trust.py`.
 
-Trusted only when whole: meta.json's types, ranges and sizes are bounded by the files on
-disk, each shard's contents checked before use, and a tensor's shape by the elements its
-pieces hold (covering it exactly once), so reading never allocates more than the files
-hold. Identity (format 3): every checkpoint has a random id, each shard carries (id, step,
-rank, world size) sealed by a CRC-32 over it and its checksums, so a shard copied from
-another checkpoint is damage. The files decide the format, not meta.json's claim; formats
-1 and 2 still load with the checks they allow. Each function returns what is wrong, as a
-sentence, or None.
+Sizes are bounded by the files on disk, so reading never allocates more than they hold.
+Identity (format 3): each shard carries (id, step, rank, world size) sealed by a CRC-32,
+so a shard copied from another checkpoint is damage. The files decide the format, not
+meta.json's claim. Each function returns what is wrong, as a sentence, or None.
 """
 
 from __future__ import annotations
@@ -119,8 +115,7 @@ def _plain(v) -> bool:
 
 def meta_problem(meta) -> str | None:
     """What keeps `meta` (a parsed meta.json) from being a minidist checkpoint's: None when
-    it fits the schema. Checks types and ranges only; the checksum and the files on disk
-    are read_meta's and Reader's."""
+    its types and ranges fit the schema."""
     if not isinstance(meta, dict):
         return f"not a checkpoint's metadata (a JSON object is expected, this is {_kind(meta)})"
     unknown = sorted(set(meta) - META_KEYS, key=str)
@@ -197,9 +192,8 @@ def _extra_problem(meta: dict) -> str | None:
 
 
 def written_by_minidist(path) -> bool:
-    """Whether folder `path` is one that save() wrote: named step_SSSSSSSS and holding a
-    meta.json with minidist's marker (format 3; older formats: their own fields). Damaged
-    or not: rotation may delete it; anything else, a user's folder, it never touches."""
+    """Whether folder `path` is one that save() wrote (named step_SSSSSSSS, its meta.json
+    with minidist's marker): rotation may delete it, damaged or not; nothing else."""
     path = Path(path)
     f = path / "meta.json"
     if checkpoint_step(path) is None or not f.is_file():
@@ -276,8 +270,7 @@ def shard_problem(shard, rank: int, meta: dict) -> str | None:
 
 def coverage_problem(key: str, shape: tuple, pieces: list) -> str | None:
     """Whether the pieces [(start, 1-D tensor)] of tensor `key` cover each of its elements
-    exactly once, in one dtype: what save() writes. So a shape is bounded by the bytes on
-    disk, and reading never allocates more than the files hold."""
+    exactly once, in one dtype: so a shape is bounded by the bytes on disk."""
     spans = sorted((s, s + t.numel()) for s, t in pieces if t.numel())
     end = 0
     for a, b in spans:

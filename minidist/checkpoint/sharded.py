@@ -4,17 +4,11 @@
     torchrun --standalone --nproc_per_node=4 minidist/train_gpt.py --zero-stage 2 --checkpoint-every 50
     torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --zero-stage 3 --resume auto
 
-A checkpoint is a folder, out/checkpoints/step_00000100/: one file per rank that saved it,
-and a meta.json. Each rank writes only what it holds (its ZeRO shards, the momentum of the
-matrices it owns under Muon, its tensor-parallel slices, its share of what is replicated);
-no rank gathers the whole model. A piece is named "elements [start, start + n) of the
-flattened full-model tensor KEY", so a run on M ranks finds which elements it now holds
-and copies them from whichever pieces overlap, whatever N, ZeRO stage and --tp wrote them
-(minidist/checkpoint/slots.py). Atomic: the ranks write into a hidden folder, and after a
-barrier rank 0 writes meta.json and renames it into place. Only finite states are saved
-(NonFiniteCheckpointError otherwise, nothing written or deleted); rotation deletes only
-folders save() wrote. The step, the scaler, each rank's RNG state and the caller's `extra`
-make the resume exact; the files, checksums and schema: minidist/checkpoint/io.py.
+Each rank writes only what it holds; no rank gathers the whole model. A piece is "elements
+[start, start + n) of the flattened full-model tensor KEY", so a run on M ranks copies
+what it now holds from whichever pieces overlap, whatever N, ZeRO stage and --tp wrote
+them (minidist/checkpoint/slots.py). Atomic: ranks write into a hidden folder that rank 0
+renames into place after a barrier. Only finite states are saved (NonFiniteCheckpointError).
 """
 
 from __future__ import annotations
@@ -61,9 +55,8 @@ def _comm_device() -> str:
 
 
 def _agree(rank: int, world: int, finite: list[torch.Tensor]) -> tuple[str, list[bool]]:
-    """One all-reduce (MAX) that does two things: every rank learns rank 0's random id for
-    this checkpoint (the others contribute 0), and whether any rank found a group not
-    finite. Returns (id as 32 hex digits, per group: not finite somewhere)."""
+    """One all-reduce (MAX): rank 0's random id for this checkpoint (the others give 0) and
+    whether any rank found a group not finite. Returns (id as 32 hex digits, flags)."""
     ids = [int.from_bytes(os.urandom(8), "big") >> 1 for _ in range(2)] if rank == 0 else [0, 0]
     flags = torch.tensor(ids + [0] * len(finite), dtype=torch.int64)
     flags[2:] = (~torch.stack(finite)).long()
@@ -191,10 +184,9 @@ def _scaler_state(saved: dict, now: dict) -> dict:
 def load(path, model, optimizers, scaler=None, total_steps: int | None = None) -> dict:
     """Fill `model`, `optimizers` (same kinds, same order) and `scaler` from checkpoint
     `path`, saved on any world size at any ZeRO stage; every mismatch is found before
-    anything changes (a damaged checkpoint: CheckpointError; a step past `total_steps`,
-    if given: CheckpointPastEndError). The scaler keeps its own settings and takes the
-    saved scale and counters. Returns the meta; meta["rng_restored"]: the world size is
-    unchanged, so each rank got its RNG state back (otherwise the caller decides)."""
+    anything changes (CheckpointError; CheckpointPastEndError past `total_steps`). The
+    scaler takes the saved scale and counters. Returns the meta; meta["rng_restored"]: the
+    world size is unchanged, so each rank got its RNG state back."""
     rank, world = rank_and_world()
     r = Reader(path)
     if total_steps is not None:

@@ -5,15 +5,11 @@ by `pytest tests/test_checkpoint.py tests/test_checkpoint_tp.py` and by
     torchrun --standalone --nproc_per_node=4 minidist/train_gpt.py --tp 2 --zero-stage 1 --checkpoint-every 50
     torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --tp 1 --resume auto   # the same run, resplit
 
-What a rank holds of a tensor is a slot: a 1-D tensor and its runs (offset in the slot,
-start in the full tensor, n), where its elements are consecutive in the full tensor too:
+A slot is a 1-D tensor and its runs (offset in the slot, start in the full tensor, n):
 one run for a replicated parameter, ZeRO's piece or a row shard; one per row for a column
-shard (so such a tensor is saved as row pieces, never elements). A parameter marks itself
-a shard with `p.tp_shard = (dim, ((start, stop), ...))` (chapter 10's shard_param); one
-all-gather of these specs gives each rank the full sizes and its replicas. Who writes: of
-the ranks holding the same elements exactly one, chosen largest first to the rank with
-the fewest bytes so far; optimizer state follows its parameter (ZeRO's holders write their
-own pieces, within the replicas of the parameter's writer).
+shard. A parameter marks itself a shard with `p.tp_shard = (dim, ((start, stop), ...))`.
+Of the ranks holding the same elements exactly one writes them (largest first, to the rank
+with the fewest bytes so far); optimizer state follows its parameter.
 """
 
 from __future__ import annotations
@@ -69,17 +65,6 @@ def cut_runs(runs: tuple, lo: int, hi: int) -> tuple:
     return tuple(out)
 
 
-def writers(sizes: list, ranks: list, load: dict) -> list[int]:
-    """Which of `ranks` saves each tensor of sizes[i] bytes: largest first, each to the rank
-    with the fewest bytes so far (`load`, updated), so that the files come out about the
-    same size. Every rank that computes it from the same sizes gets the same answer."""
-    out = [0] * len(sizes)
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        out[i] = min(ranks, key=lambda r: (load[r], r))
-        load[out[i]] += sizes[i]
-    return out
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -88,11 +73,8 @@ class Layout:
     """This rank's part of a checkpoint of `model` and its optimizers: each parameter's
     full shape and runs, who writes it and its state. A collective: one all-gather of what
     each rank holds (names, shapes, tensor-parallel slices), when the world has ranks.
-
-    Ranks may hold different tensors: a pipeline stage (chapter 11) holds its own blocks,
-    the first and the last stage both the tied embedding. So every rank learns what every
-    rank holds, and of the ranks holding the same elements one writes them, chosen by
-    the same rule on every rank."""
+    Ranks may hold different tensors (pipeline stages), so every rank learns what every
+    rank holds."""
 
     def __init__(self, model):
         self.rank, world = rank_and_world()
@@ -116,18 +98,18 @@ class Layout:
             full = shape if spec is None else _full_shape(
                 name, shape, spec, list(dict.fromkeys(h[name][1] for h in held if name in h)))
             self.shape[name], self.runs[name] = full, flat_runs(full, spec)
-        # writers: of the ranks that hold the same elements (a name and a slice), one,
-        # largest first, each to the rank with the fewest bytes so far
+        # writers: of the ranks that hold the same elements (a name and a slice), one, largest
+        # first, each to the rank with the fewest bytes so far: files of about the same size
         holders = {}
         for r, h in enumerate(held):
             for name, (_, spec, nbytes) in h.items():
                 holders.setdefault((name, spec), (nbytes, []))[1].append(r)
         keys = sorted(holders, key=lambda k: (-holders[k][0], k[0], repr(k[1])))
-        load = dict.fromkeys(range(world), 0)
-        who = {}
+        load, who = dict.fromkeys(range(world), 0), {}
         for k in keys:
             nbytes, ranks = holders[k]
-            who[k] = writers([nbytes], ranks, load)[0]
+            who[k] = min(ranks, key=lambda r: (load[r], r))
+            load[who[k]] += nbytes
         self.writer = {n: who[n, spec] for n, (_, spec, _) in mine}  # by name
 
     def writes(self, p) -> bool:
@@ -162,12 +144,8 @@ class Layout:
         elements whose optimizer state lives in `holder` (a key of opt.state) on this rank:
         the state's elements `cut` = (a, b) of the holder (None: all of them), whose runs
         (offsets from a) say where they sit in the full tensor. `write`: this rank saves it.
-
-        An optimizer that shards its state (ZeRO, Muon) says what this rank holds through
-        opt.state_pieces() -> (state, params), state being (param, start, holder, a, b): the
-        param's flattened elements [start, start + b - a) are the holder's [a, b). Any other
-        optimizer is replicated: every replica has all of it, and the writer of each
-        parameter writes its state."""
+        A sharding optimizer (ZeRO, Muon) says what it holds through opt.state_pieces(); any
+        other is replicated, and each parameter's writer writes its state."""
         if hasattr(opt, "state_pieces"):
             for p, start, holder, a, b in opt.state_pieces()[0]:
                 n = self.names[id(p)]

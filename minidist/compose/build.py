@@ -38,13 +38,10 @@ def make_optimizers(model, *, lr: float, optimizer: str = "adamw", weight_decay:
                     muon_momentum: float = 0.95, muon_weight_decay: float = 0.0,
                     muon_ns_coefficients: str = "jordan", group=None) -> list[torch.optim.Optimizer]:
     """AdamW (weight decay on matrices only), sharded by ZeRO when asked; or, with
-    optimizer="muon", Muon for the hidden matrices plus AdamW for embeddings, head, gains
-    and biases (under ZeRO stages 1-2 AdamW's in the shards, Muon's matrices whole; at stage
-    3 Muon's matrices sharded too, by the ZeRO-3 optimizer, for Muon to update: gradient_sync
-    joins them). Each group remembers its peak lr. `group`: the ranks ZeRO shards over and
-    Muon deals its matrices over (chapter 10's mesh: the data-parallel group; all ranks by
-    default). On a tensor-parallel model Muon orthogonalises the whole matrices its shards
-    cut (minidist/compose/tp_muon.py, gathered: the same arithmetic as one process)."""
+    optimizer="muon", Muon for the hidden matrices plus AdamW for the rest (under ZeRO: Muon
+    beside it, compose/zero_muon.py; on tensor-parallel shards: compose/tp_muon.py, gathered).
+    Each group remembers its peak lr. `group`: the ranks ZeRO shards over and Muon deals its
+    matrices over (on a mesh the data-parallel group; all ranks by default)."""
     hidden, rest = split_params(model) if optimizer == "muon" else ([], list(model.parameters()))
     groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
@@ -74,13 +71,10 @@ def make_optimizers(model, *, lr: float, optimizer: str = "adamw", weight_decay:
 
 def gradient_sync(model, opts, *, zero_stage: int = 0, dp: str = "bucketed", bucket_cap_mb: float = 25.0,
                   mesh=None):
-    """What averages the gradients across ranks, behind the gradient-sync interface of
-    minidist/ddp.py (no_sync, finish_gradient_synchronization, clip_grad_norm_): under
-    ZeRO the optimizer itself (it reduce-scatters them), with Muon beside it
-    MuonUnderZero (AdamW's shards, and Muon's matrices reduce-scattered to their owners);
-    otherwise DDP as `dp` (naive, flat or bucketed) asks. On a dp x tp mesh (chapter 10)
-    that averaging runs over the dp group, and MeshSync adds the norm over the
-    tensor-parallel shards; a pipeline stage's (chapter 11) averages after the step."""
+    """What averages the gradients across ranks, behind minidist/sync.py's interface: under
+    ZeRO the optimizer itself (with Muon beside it, MuonUnderZero), otherwise DDP as `dp`
+    (naive, flat or bucketed) asks; on a mesh over the dp group, MeshSync adding the norm
+    over the tp shards (chapter 10); a pipeline stage's averages after the step (chapter 11)."""
     group = None if mesh is None else mesh.dp_group
     if mesh is not None and mesh.pp > 1:
         return PipelineSync(model, group, flat=dp != "naive", zero=opts[0] if zero_stage else None)

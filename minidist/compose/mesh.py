@@ -1,32 +1,13 @@
-"""The device mesh: the world's ranks laid out as a grid, one axis per way of splitting
-the work, and one process group per line of the grid; and MeshSync, the gradient sync
-of a dp x tp mesh.
-
-Chapter 10 (chapters/10_tensor_parallel.md) introduces it with two axes, data parallel x
-tensor parallel; chapter 11 adds the pipeline axis. Exercised by tests/test_mesh.py and by
+"""The device mesh: the world's ranks as a pp x dp x tp grid, one process group per line of
+the grid; and MeshSync, the gradient sync of a dp x tp mesh. Chapter 10
+(chapters/10_tensor_parallel.md) introduces it with two axes; chapter 11 adds the pipeline.
+Exercised by tests/test_mesh.py and by
 `torchrun --standalone --nproc_per_node=4 minidist/train_gpt.py --tp 2` (dp 2 x tp 2).
 
-A world of dp * tp * pp ranks is a pp x dp x tp grid. Rank r sits at
-
-    pp_rank = r // (dp * tp),   dp_rank = (r // tp) % dp,   tp_rank = r % tp
-
-so the tensor-parallel axis varies fastest: the tp ranks of one group are neighbours
-(on a GPU cluster, the GPUs of one node, joined by the fastest links, because tensor
-parallelism talks inside every layer), the data-parallel replicas of one shard come next,
-and the pipeline stages are farthest apart (they exchange one activation per micro-batch,
-the least traffic, so they may span nodes). Megatron-LM orders its axes the same way.
-
-Each rank belongs to one group per axis: its tp group (the ranks that hold the other
-slices of its layers), its dp group (the ranks that hold the same slice and average its
-gradient) and its pp group (the stages of its pipeline). A collective over an axis is
-a collective over that group: `dist.all_reduce(t, group=mesh.dp_group)`.
-
-    world 8 = pp 2 x dp 2 x tp 2          tp groups: {0,1} {2,3} {4,5} {6,7}
-                                          dp groups: {0,2} {1,3} {4,6} {5,7}
-        stage 0   | 0 1 |  replica 0      pp groups: {0,4} {1,5} {2,6} {3,7}
-                  | 2 3 |  replica 1
-        stage 1   | 4 5 |  replica 0
-                  | 6 7 |  replica 1
+Rank r sits at pp_rank = r // (dp tp), dp_rank = (r // tp) % dp, tp_rank = r % tp: the tp
+axis varies fastest, so a tp group's ranks are neighbours (one node's GPUs, the fastest
+links: tensor parallelism talks inside every layer) and the pipeline stages, which exchange
+the least, are farthest apart. Megatron-LM orders its axes the same way.
 """
 
 from __future__ import annotations
@@ -108,13 +89,9 @@ def make_mesh(tp: int = 1, pp: int = 1) -> Mesh:
 
 class MeshSync(GradientSync):
     """The gradient-sync interface (minidist/sync.py) of a dp x tp mesh: `inner`, a DDP or a
-    ZeRO optimizer over the dp group, averages each tensor-parallel shard with the same
-    shard on the other replicas; what tensor parallelism adds is the norm for clipping.
-    A parameter split over the tp ranks (chapter 10's shards carry `tp_shard`) has a
-    different slice on each, so its squares are summed over the tp group; a replicated
-    one (layer norms, the position table, row-parallel biases) is the same on every tp
-    rank, so it counts once (weight 1/t on each of the t ranks). One norm, one number
-    on every rank of both axes, as one process would compute it."""
+    ZeRO optimizer over the dp group, averages each shard over the replicas; tensor
+    parallelism adds only the norm for clipping: a split parameter's squares (it carries
+    `tp_shard`) summed over the tp group, a replicated one's counted once (1/t on each rank)."""
 
     def __init__(self, inner, tp_group):
         self.inner, self.tp_group = inner, tp_group

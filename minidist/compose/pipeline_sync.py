@@ -1,22 +1,14 @@
 """Pipeline parallelism composed with the rest of a training run: a stage's gradient sync
-over its data-parallel replicas (plain averaging, or feeding ZeRO-1's shards), the norm
-for clipping summed over the stages, and the forward-only passes that evaluation and
-sampling need.
-
+over its data-parallel replicas (plain averaging, or feeding ZeRO-1's shards), the norm for
+clipping summed over the stages, and the forward-only passes of evaluation and sampling.
 Chapter 11 (chapters/11_pipeline.md), section "composed". Exercised by
 `torchrun --standalone --nproc_per_node=4 minidist/train_gpt.py --pp 2 --grad-accum-steps 4`
-(dp 2 x pp 2) and `pytest tests/test_train_gpt.py -k pp`.
+and `pytest tests/test_train_gpt.py -k pp`.
 
-Why the data-parallel averaging waits for the whole pipeline step. A stage's gradient is
-complete only after its last micro-batch's backward and, on the first and last stage, after
-the tied embedding's two halves have been summed (Stage.allreduce_tied_grads). DDP's buckets
-decide at forward time whether a backward communicates, and a pipeline interleaves forwards
-and backwards, so a backward in the middle of the step would average a partial gradient.
-So PipelineSync averages once, after pipeline_step returns: one flat all-reduce (or one per
-parameter, --dp naive), then ZeRO-1 copies its shard of the averaged gradient (the
-ZeroRedundancyOptimizer contract of minidist.zero.ShardedOptimizer, reduce_gradients=False).
-ZeRO-2 and 3 are refused with a pipeline: they would re-shard the gradients or re-gather
-the parameters for every micro-batch.
+The averaging waits for the whole pipeline step: a stage's gradient is complete only after
+its last backward and the tied embedding's sum, and a pipeline interleaves forwards and
+backwards, so DDP's buckets would average partial gradients. ZeRO-2 and 3 are refused: they
+would re-shard the gradients or re-gather the parameters every micro-batch.
 """
 
 from __future__ import annotations
@@ -33,12 +25,9 @@ from minidist.tensor_parallel.gpt import plain_layout
 class PipelineSync(ReplicaSync):
     """The gradient-sync interface (minidist/sync.py) of one pipeline stage, replicated on
     the ranks of `dp_group`; `flat`: one all-reduce of a flat buffer (else one per parameter);
-    `zero`: a ZeRO-1 ShardedOptimizer (reduce_gradients=False) over the same group, whose
-    shards are filled from the averaged gradients. The norm for clipping is the whole
-    model's: each stage's squares summed over the pipeline group, the tied embedding (the
-    same summed gradient on the first and the last stage) counted once, half on each; on a
-    tensor-parallel stage (chapter 10) the squares are summed over the tp group too, a
-    replicated parameter counted once (1/t on each of its t ranks), as MeshSync does."""
+    `zero`: a ZeRO-1 ShardedOptimizer (reduce_gradients=False) filled from the averages. The
+    norm is the whole model's: summed over the stages, the tied embedding counted half on
+    each end; on a tensor-parallel stage over the tp group too, as MeshSync does."""
 
     def __init__(self, stage: Stage, dp_group=None, flat: bool = True, zero=None):
         self.stage = self.module = stage  # the module ReplicaSync's norm and scaling read

@@ -1,45 +1,32 @@
-"""The planner on three axes, Chapter 11 (chapters/11_pipeline.md, section 8, "Choosing dp x
-tp x pp"; in detail, its appendix, section B): for a model, a world of ranks and a memory
-budget per rank, the mesh dp x tp x pp, the ZeRO stage, the micro-batches, sequence
-parallelism and recomputation that fit, at the least modelled step time. It extends chapter
-09's planner (minidist/memory/plan.py, one axis). Exercised by
+"""The planner on three axes: for a model, a world of ranks and a memory budget per rank, the
+mesh dp x tp x pp, the ZeRO stage, the micro-batches, sequence parallelism and recomputation
+that fit, at the least modelled step time. Chapter 11 (chapters/11_pipeline.md, section 8;
+its appendix, section B, derives the memory and the price). Exercised by
 
-    python -m minidist.compose.plan_mesh --preset gpt2 --world-size 8 --budget-gb 80
+    python -m minidist.run.plan mesh --preset gpt2 --world-size 8 --budget-gb 80
     pytest tests/test_plan_mesh.py
 
-A plan: (tp, pp), dp = world / (tp pp); ZeRO stage z; m micro-batches of B = batch / (dp m)
-sequences; recomputation; sequence parallelism (tp > 1); always 1F1B (GPipe has the same
-bubble and holds m micro-batches). The meshes and stages allowed: train_gpt's rules
-(minidist/run/flag_checks.py). Memory per rank: minidist.memory.step_memory told the rank's
-tp slice, its stage's blocks and ends and its micro-batches in flight; the most loaded stage
-is the first (the most blocks and micro-batches in flight) or the last (the head, the logits).
-
-Price (`Plan.price`, in order): the slowest stage's modelled step on cost_model.Hardware (its
-compute, with recomputation's forward, stretched by the bubble; tp's all-reduces and pp's
-sends, exposed; the dp gradient sync hidden behind the last backward without a pipeline,
-exposed with one, which averages after the step); then the bubble, bytes sent,
-recomputation, sequence parallelism, fewer micro-batches, the lower ZeRO stage, fewer
-stages, less tp. Bytes as minidist sends them (fp32 gradients and activations between
-stages, tp's in autocast's dtype). Left out: recomputation repeating tp's forward
-all-reduces; stages assumed equal in time (the chapter's section 3 shows what the head adds).
-The search, per family (mesh, z, recomputation, sp): best_per_family; tests/test_plan_mesh.py
-holds its result equal to a search of every configuration that weighs every stage.
+The most loaded rank is on the first stage (the most blocks and micro-batches in flight) or
+the last (the head, the logits), so only those two are weighed; the search is per family
+(mesh, ZeRO stage, recomputation, sp), and tests/test_plan_mesh.py holds it equal to a search
+of every configuration that weighs every stage. Left out of the price: recomputation
+repeating tp's forward all-reduces, and stages unequal in time.
 """
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import math
 from dataclasses import dataclass, replace
 
-from minidist.cost_model import (ELEM, GB, MESSAGES, MODELS, STRATEGIES, Hardware, collective_time, comm_volume,
+from minidist.cost_model import (ELEM, GB, MESSAGES, STRATEGIES, Hardware, collective_time, comm_volume,
                                  exposed_time, link, rank_params)
 from minidist.memory import step_memory
-from minidist.model import PRESETS, GPTConfig, config_num_params, flops_per_token
+from minidist.model import GPTConfig, flops_per_token
 from minidist.pipeline import split_layers
 from minidist.pipeline.measure import bubble_formula, in_flight_formula
 from minidist.memory.plan import PlanError, check_sizes, recompute_flops_fraction
+from minidist.memory.plan import accum_options as micro_options  # a replica's share, split evenly
 from minidist.tensor_parallel.cost import comm_bytes as tp_comm_bytes
 
 
@@ -86,12 +73,6 @@ def zero_stages(tp: int, pp: int) -> tuple[int, ...]:
     return (0, 1) if pp > 1 else (0, 1, 2) if tp > 1 else (0, 1, 2, 3)
 
 
-def micro_options(batch: int, dp: int) -> list[int]:
-    """Micro-batch counts that split a replica's share of the batch evenly, ascending."""
-    share = batch // dp
-    return [m for m in range(1, share + 1) if share % m == 0]
-
-
 def stage_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, s, precision="bf16", bucket_cap_mb=25.0):
     """step_memory's peak on stage s of the pipeline (bytes)."""
     return step_memory(cfg, batch // (dp * m), seq_len, dp, zero, ck, precision, bucket_cap_mb, tp=tp,
@@ -100,13 +81,13 @@ def stage_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, s, precision=
 
 
 def peak_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision="bf16", bucket_cap_mb=25.0):
-    """The most loaded rank's peak: the first stage's or the last's (see the docstring)."""
+    """The most loaded rank's peak: the first stage's or the last's."""
     return max(stage_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, s, precision, bucket_cap_mb)
                for s in {0, pp - 1})
 
 
 def price(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision="bf16", hw=None, bucket_cap_mb=25.0):
-    """(modelled step seconds, bytes sent (dp, tp, pp)) of the slowest stage; see the docstring."""
+    """(modelled step seconds, bytes sent (dp, tp, pp)) of the slowest stage (chapter 11, appendix B)."""
     hw = hw or Hardware()
     B, T, d, e = batch // (dp * m), seq_len, cfg.n_embd, ELEM[precision]
     compute = flops_per_token(cfg, T) * B * T / (tp * pp) / (hw.peak_flops * hw.mfu)  # one micro-batch
@@ -234,67 +215,3 @@ def _nothing_fits(cfg, batch, seq_len, world, budget_gb, precision, bucket_cap_m
             f"ZeRO-{zero}, {m} micro-batches of {batch // (dp * m)}{', sequence parallel' if sp else ''}, "
             f"{'recomputation' if ck else 'no recomputation'}, needs "
             f"{least[0] / GB:.1f} GB; use more ranks, a shorter --seq-len, a smaller model or a larger --budget-gb")
-
-
-def table(cfg, batch, seq_len, world, budget_gb, precision="bf16", hw=None) -> list[str]:
-    """The best plan of each mesh shape, fastest first; shapes where nothing fits last."""
-    best = {}
-    for (dp, tp, pp, *_), c in best_per_family(cfg, batch, seq_len, world, budget_gb, precision, hw):
-        if c is not None and ((dp, tp, pp) not in best or c.price() < best[dp, tp, pp].price()):
-            best[dp, tp, pp] = c
-    rows = [f"  {'mesh':22s} {'ZeRO':>4s} {'m':>4s} {'B':>4s} {'sp':>3s} {'rc':>3s} {'GB/rank':>8s} "
-            f"{'bubble':>6s} {'GB sent':>8s} {'ms/step':>8s}"]
-    for c in sorted(best.values(), key=Plan.price):
-        yes = ["yes" if on else "no" for on in (c.sequence_parallel, c.checkpointed)]
-        rows.append(f"  {c.mesh():22s} {c.zero:4d} {c.micro:4d} {c.micro_batch:4d} {yes[0]:>3s} {yes[1]:>3s} "
-                    f"{c.peak / GB:8.1f} {c.bubble:6.2f} {sum(c.sent) / GB:8.2f} {1e3 * c.step_s:8.1f}")
-    for dp, tp, pp in meshes(cfg, world):
-        if (dp, tp, pp) not in best:
-            rows.append(f"  {f'dp {dp} x tp {tp} x pp {pp}':22s} nothing fits {budget_gb:g} GB")
-    return rows
-
-
-MAX_COUNT = 2**24  # ranks, tokens or sequences: beyond any machine the cost model describes
-
-
-def main(argv=None) -> None:
-    models = {**{k: GPTConfig(**v) for k, v in PRESETS.items()}, **MODELS}
-    p = argparse.ArgumentParser(description="dp x tp x pp, ZeRO, micro-batches and recomputation "
-                                "for a memory budget (chapter 11's planner).")
-    p.add_argument("--preset", default="gpt2", help=f"one of {', '.join(models)}")
-    p.add_argument("--world-size", type=int, default=8)
-    p.add_argument("--budget-gb", type=float, default=80.0, help="per rank")
-    p.add_argument("--batch-size", type=int, default=None, help="global, in sequences (default 8 per rank)")
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--gpus-per-node", type=int, default=8, help="ranks joined by the fast links")
-    a = p.parse_args(argv)
-    if a.preset not in models:
-        p.error(f"argument --preset: unknown model {a.preset!r}: one of {', '.join(models)}")
-    for flag, v in (("--world-size", a.world_size), ("--seq-len", a.seq_len), ("--gpus-per-node", a.gpus_per_node),
-                    ("--batch-size", a.batch_size)):
-        if v is not None and not 1 <= v <= MAX_COUNT:
-            p.error(f"argument {flag}: must be an integer from 1 to {MAX_COUNT:,}, got {v}: a count a machine could have")
-    if not (math.isfinite(a.budget_gb) and a.budget_gb > 0):
-        p.error(f"argument --budget-gb: must be a finite number > 0, got {a.budget_gb}: give the GB each rank may use")
-    cfg, batch = models[a.preset], a.batch_size or 8 * a.world_size
-    cfg = replace(cfg, block_size=max(cfg.block_size, a.seq_len))
-    try:
-        check_sizes(batch, a.seq_len, a.world_size, a.budget_gb)
-    except PlanError as e:
-        p.error(f"--batch-size/--world-size: {e}")
-    hw = Hardware(gpus_per_node=a.gpus_per_node)
-    print(f"{a.preset}: {config_num_params(cfg) / 1e6:.0f}M parameters, {cfg.n_layer} layers, {cfg.n_head} heads; "
-          f"{a.world_size} ranks, {a.gpus_per_node} per node; batch {batch} x {a.seq_len}, {a.precision}; "
-          f"budget {a.budget_gb:g} GB per rank")
-    try:
-        print("  plan: " + plan_mesh(cfg, batch, a.seq_len, a.world_size, a.budget_gb, a.precision, hw)[1])
-    except PlanError as e:
-        print(f"  plan: {e}")
-    print("the best plan of each mesh shape (m micro-batches of B sequences, sp: sequence parallel, "
-          "rc: recomputation; GB/rank: the most loaded rank's peak; GB sent: the busiest rank's, per step):")
-    print("\n".join(table(cfg, batch, a.seq_len, a.world_size, a.budget_gb, a.precision, hw)))
-
-
-if __name__ == "__main__":
-    main()

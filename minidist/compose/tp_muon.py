@@ -5,18 +5,11 @@ shards", derives all of it. Exercised by:
     torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --tp 2    (CPU default: Muon)
     pytest -q tests/test_tensor_parallel_muon.py
 
-The update is about U V^T of the whole momentum, not elementwise: t shards orthogonalised
-alone are t orthogonal blocks side by side, about sqrt(t) too large and pointing
-elsewhere (method="shardwise", the bug kept to be measured by `shardwise_error`).
-(a) method="gather": every tp rank all-gathers the momentum's shards (in Newton-Schulz's
-dtype), orthogonalises the whole matrix as one process would, and keeps its slice: one
-collective, t copies of the work. (b) method="shards": Newton-Schulz on the shards, whose
-step X <- a X + (b A + c A^2) X needs only the Gram A on the uncut side, a sum of
-per-shard Grams (one all-reduce of k x k, summed in fp32 and rounded once); Megatron's
-layout always cuts along the long side, so the uncut side is the short one Newton-Schulz
-iterates on. Bytes (`comm_bytes`): (b)/(a) = 20 k / (the long side), so (a) sends fewer
-for Megatron's shapes; (b) wins on work and memory. Muon's own group is the dp group; the
-tp ranks of one replica own the same matrices.
+t shards orthogonalised alone are t orthogonal blocks side by side, about sqrt(t) too large
+(method="shardwise", the bug kept to be measured). (a) "gather": all-gather the shards,
+orthogonalise the whole as one process would, keep this rank's slice. (b) "shards":
+Newton-Schulz needs only the Gram on the uncut side, a sum of per-shard Grams (one k x k
+all-reduce per step). Muon's own group is the dp group.
 """
 
 from __future__ import annotations
@@ -35,21 +28,15 @@ __all__ = ["shardwise_error", "ShardLayout", "newton_schulz_sharded", "TensorPar
 METHODS = ("gather", "shards", "shardwise")  # the last one is the bug, for measuring
 
 
-def _relative(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
-    x, ref = x.float().flatten(), ref.float().flatten()
-    return ((x - ref).norm() / ref.norm()).item(), F.cosine_similarity(x, ref, 0).item(), \
-        (x.norm() / ref.norm()).item()
-
-
 def shardwise_error(G: torch.Tensor, t: int, dim: int = 0, steps: int = 5,
                     dtype: torch.dtype = torch.float32) -> dict:
     """One process, no group: G cut in t equal shards along `dim` (0: a column-parallel
     weight, 1: a row-parallel one), each orthogonalised alone and put side by side,
     against G's own orthogonalisation: {"rel_diff", "cosine", "norm_ratio"}."""
-    whole = newton_schulz(G, steps, dtype)
-    alone = torch.cat([newton_schulz(s, steps, dtype) for s in G.chunk(t, dim)], dim)
-    rel, cos, ratio = _relative(alone, whole)
-    return {"rel_diff": rel, "cosine": cos, "norm_ratio": ratio}
+    ref = newton_schulz(G, steps, dtype).float().flatten()
+    x = torch.cat([newton_schulz(s, steps, dtype) for s in G.chunk(t, dim)], dim).float().flatten()
+    return {"rel_diff": ((x - ref).norm() / ref.norm()).item(), "cosine": F.cosine_similarity(x, ref, 0).item(),
+            "norm_ratio": (x.norm() / ref.norm()).item()}
 
 
 # ------------------------------------------------------------------ (a) gather the whole matrix
@@ -137,13 +124,10 @@ def tensor_parallel_group(model) -> object | None:
 
 
 class TensorParallelMuon(Muon):
-    """minidist.muon.Muon for shards of tensor-parallel matrices (params carry `tp_shard`,
-    as tensor_parallel_gpt.parallelize makes them): TensorParallelMuon(params, tp_group,
-    method="gather" | "shards" | "shardwise", **Muon's arguments); `group` is the dp group
-    (Muon's owners). Momentum is elementwise, so each shard's is the slice of the whole's;
-    what changes is the orthogonalisation (the module docstring) and the learning rate's
-    shape adjustment, which uses the full matrix's shape. Building it is a collective
-    over the tp group (each rank learns where the others' shards lie)."""
+    """minidist.muon.Muon for shards of tensor-parallel matrices (params carry `tp_shard`):
+    `method` one of METHODS, `group` the dp group (Muon's owners). Momentum is elementwise, so
+    only the orthogonalisation and the lr's shape adjustment (the full matrix's) change.
+    Building it is a collective over the tp group (each rank learns where the shards lie)."""
 
     def __init__(self, params, tp_group, method: str = "gather", **kwargs):
         super().__init__(params, **kwargs)
@@ -217,10 +201,8 @@ def _by_settings(pairs: list) -> dict:
 def comm_bytes(full_shapes, t: int, method: str, ns_steps: int = 5,
                ns_dtype: torch.dtype = torch.bfloat16) -> dict:
     """Bytes one step of TensorParallelMuon hands to the tp group's collectives on each rank
-    (all-gather: its output; all-reduce: the tensor) for matrices of `full_shapes`, and
-    "sent", what a ring puts on the wire from each rank: all-gather (t-1)/t of its output,
-    all-reduce 2 (t-1)/t of its tensor. (a): m n elements in ns_dtype per matrix; (b):
-    (ns_steps k^2 + 1) fp32 per matrix, k = min(m, n), the uncut side in Megatron's layout."""
+    for matrices of `full_shapes` ((a): m n in ns_dtype each; (b): ns_steps k^2 + 1 fp32,
+    k = min(m, n)), and "sent", what a ring puts on the wire from each rank."""
     out = {"all_gather": 0, "all_reduce": 0}
     if t > 1 and method == "gather":
         out["all_gather"] = sum(m * n for m, n in full_shapes) * ns_dtype.itemsize

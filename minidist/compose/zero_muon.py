@@ -1,38 +1,15 @@
 """Muon under ZeRO stages 1, 2 and 3. Chapter 07 (chapters/07_muon.md), section "Muon
-under ZeRO". Exercised by:
+under ZeRO" (bytes: its section 7 and appendix H, minidist.cost_model.muon_comm_volume).
+Exercised by
 
-    torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --optimizer muon --zero-stage 2
     torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --optimizer muon --zero-stage 3
     pytest tests/test_muon_zero.py
 
-AdamW's parameters (embeddings, head, gains, biases) live in ZeRO's flat shards as without
-Muon. Muon's matrices stay outside ZeRO's units: Newton-Schulz needs a whole matrix, and a
-flat shard cuts matrices anywhere. Each matrix has an owner rank (minidist.muon.Muon.owners).
-
-The gradients reach the owners by an owner-aligned reduce-scatter: the matrices, dealt out
-largest first, make rounds of one matrix per rank, each round one slot per rank (its
-largest matrix plus a flag), and rank r's part of the buffer holds, in each round's slot,
-the gradient of the matrix rank r owns. Averaging it leaves every rank exactly its own
-matrices' averaged gradients, for ZeRO's bytes; the owners' updates come back through
-Muon's all-gather (minidist/muon/optimizer.py). The byte counts are chapter 07's, section
-7 and appendix H (minidist.cost_model.muon_comm_volume).
-
-Stage 3 (MuonUnderZero3) keeps no parameter whole at rest, Muon's matrices included: the
-ZeRO-3 optimizer shards and gathers them (in units of their own, built with others=), but
-leaves their gradients and their update to Muon. Each bucket of rounds is reduce-scattered
-to its owners during backward, in one fixed order (start_order, the same on every rank),
-every micro-step (the owners add them up); ShardedMuon's step then sends each piece of an
-update, owner to holder, in one all-to-all.
-
-MuonUnderZero is the one gradient sync of such a run (minidist/sync.py): no_sync() lets
-Muon's gradients accumulate whole until the last micro-step, so they cross the wire once
-per step; finish_gradient_synchronization() finishes ZeRO's reduce-scatters, then Muon's;
-the norm for clipping sums ZeRO's shards and the owners' matrices across ranks. After it
-the loss scaler's unscale_(muon) sees the owners' averaged gradients (and its MAX across
-ranks tells every rank about an overflow only an owner can see).
-
-Built with public calls, the stage decided once (zero.shards_parameters): muon_for_zero(zero,
-matrices, ...) gives the Muon, muon_under_zero(zero, muon) the sync; nothing is installed in Muon.
+AdamW's parameters live in ZeRO's flat shards; Muon's matrices stay outside ZeRO's units,
+because Newton-Schulz needs a whole matrix and a flat shard cuts matrices anywhere. Their
+gradients reach each matrix's owner by an owner-aligned reduce-scatter (rounds of one matrix
+per rank, one slot each); at stage 3 the ZeRO-3 optimizer shards and gathers them, and
+ShardedMuon sends each piece of an update, owner to holder, in one all-to-all.
 """
 
 from __future__ import annotations
@@ -220,11 +197,9 @@ class MuonUnderZero3(MuonUnderZero):
 
 
 class ShardedMuon(Muon):
-    """Muon for matrices a ZeRO-3 optimizer shards (`zero`, built with others=params); the
-    gradients reach the owners through MuonUnderZero3. step(): the owners' updates
-    (Muon.owned_updates), one all-to-all sends each piece, with a flag, to the rank whose
-    shard holds it (weight decay and the update are elementwise: a piece is updated as the
-    whole would be)."""
+    """Muon for matrices a ZeRO-3 optimizer shards (`zero`, built with others=params): step()
+    sends each piece of the owners' updates, with a flag, to the rank whose shard holds it, in
+    one all-to-all (weight decay and the update are elementwise: a piece is updated as the whole)."""
 
     def __init__(self, params, zero, **kwargs):
         super().__init__(params, **kwargs)

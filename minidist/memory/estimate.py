@@ -1,30 +1,18 @@
 """Where memory goes in a training step: activations counted and derived, a model of the
-whole step per rank, and a measurement of its peak. Chapter 09 (chapters/09_memory.md).
-Exercised by `python -m minidist.memory.plan --preset gpt2 --world-size 8 --budget-gb 80` and
+whole step per rank, and a measurement of its peak. Chapter 09 (chapters/09_memory.md)
+derives the activations per block and per token (8d + 14 e d + 4 H + 16, e the bytes of
+autocast's dtype; checkpointing keeps 4d) and the step's peak. Exercised by
+`python -m minidist.run.plan memory --preset gpt2 --world-size 8 --budget-gb 80` and
 `pytest tests/test_memory.py`.
 
-Activations, derived for minidist.model's GPT (pre-norm blocks, SDPA attention, no
-dropout), per block and per token, with e the bytes of autocast's dtype (4 in fp32, 2
-in bf16/fp16) and the residual stream in fp32:
-
-    8d            the block's input and the residual after attention (LayerNorm inputs)
-    14 e d        LayerNorm outputs (2 x d, as the matmuls take them), q k v (3d), the
-                  attention output (d, which c_proj reads: SDPA's output is laid out so
-                  that the transpose back is free), the MLP's hidden (4d) and its GELU (4d)
-    4 H           SDPA's logsumexp, fp32, one per head (flash attention keeps no T x T)
-    16            LayerNorm's mean and 1/std, twice
-
-plus, under autocast, the 16-bit copies of the block's four weight matrices (12 e d^2)
-that the matmuls saved. Checkpointing keeps only the block's fp32 input: 4d per token.
-Outside the blocks: the token and position indices (int64), the final LayerNorm (its
-input, statistics, output) and the loss's log-softmax (fp32 B T V), the largest tensor of
-a small model's step.
+The formulas live in minidist.cost_model with every closed form of the course, so that
+chapter 08's tables at scale use the same count (one memory model); this module counts and
+measures what they predict.
 """
 
 from __future__ import annotations
 
 import gc
-import math
 import warnings
 from contextlib import contextmanager
 
@@ -32,9 +20,6 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# The formulas derived above live in minidist.cost_model with every closed form of the
-# course, so that chapter 08's tables at scale use the same count (one memory model);
-# this module counts and measures what they predict, and models the peak of a step.
 from minidist.cost_model import (ELEM, GB, activation_bytes, block_activation_bytes, block_params,
                                  head_activation_bytes, model_state_bytes, rank_params,
                                  zero3_gathered_bytes)
@@ -42,7 +27,7 @@ from minidist.model import GPTConfig
 
 __all__ = ["ELEM", "GB", "activation_bytes", "block_activation_bytes", "head_activation_bytes",
            "zero3_gathered_bytes", "count_saved_bytes", "step_memory", "LiveBytes", "live_tensors",
-           "storages_now", "measure_peak", "gib", "round_up"]
+           "storages_now", "measure_peak", "gib"]
 
 
 # ------------------------------------------------------------------ activations, counted
@@ -93,13 +78,9 @@ def step_memory(cfg: GPTConfig, micro_batch: int, seq_len: int, world: int = 1, 
     the start of backward (every activation alive, the loss's gradient just made) and the
     end of backward (gradients complete).
 
-    On a dp x tp x pp mesh (chapters 10 and 11; minidist.compose.plan_mesh), `world` is the dp
-    group ZeRO shards over, and the rank holds `tp`'s slice of `blocks` blocks (default
-    all), the embeddings if `first`, the final norm and head if `last` (a pipeline stage
-    unless both), and the activations of `in_flight` micro-batches at once
-    (minidist.pipeline.measure.in_flight_formula; the result's "in_flight" is gradient
-    buffers, as without a mesh). A pipeline stage averages its gradients in one flat buffer
-    after the step (minidist.compose.pipeline_sync): ZeRO 0 or 1 only."""
+    On a dp x tp x pp mesh (chapters 10, 11), `world` is the dp group, and the rank holds
+    `tp`'s slice of `blocks` blocks, the embeddings if `first`, the head if `last`, and the
+    activations of `in_flight` micro-batches (the result's "in_flight": gradient buffers)."""
     pipelined = not (first and last)
     if stage == 3 and (tp > 1 or pipelined) or stage == 2 and pipelined:
         raise ValueError(f"ZeRO-{stage} is not built with tensor or pipeline parallelism")
@@ -206,7 +187,3 @@ def measure_peak(exclude: set = frozenset()):
 def gib(x: float) -> str:
     """x bytes in GiB (2**30 bytes), or in MiB (2**20) below a tenth of a GiB."""
     return f"{x / 2**30:.2f} GiB" if x >= 2**30 / 10 else f"{x / 2**20:.1f} MiB"
-
-
-def round_up(x: float, m: float) -> float:
-    return math.ceil(x / m) * m

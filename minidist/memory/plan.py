@@ -1,33 +1,18 @@
 """The planner: the ZeRO stage, micro-steps and recomputation that fit a memory budget, at
-the least communication and recomputation. Chapter 09 (chapters/09_memory.md). Exercised by
+the least communication and recomputation. Chapter 09 (chapters/09_memory.md), section
+"the planner", derives the memory and the price (Choice.price, compared in order: bytes
+sent, recomputation, micro-steps, the stage). Exercised by
 
-    python -m minidist.memory.plan --preset gpt2 --world-size 8 --budget-gb 80
+    python -m minidist.run.plan memory --preset gpt2 --world-size 8 --budget-gb 80
     python minidist/train_gpt.py --steps 20 --zero-stage auto --grad-accum-steps auto --activation-checkpointing auto
     pytest tests/test_plan.py
 
-A configuration is a ZeRO stage s, a number k of micro-steps (the global batch split over
-N ranks and k steps, so B = batch / (N k) sequences per micro-batch) and recomputation on
-or off. Its memory per rank is minidist.memory.step_memory's peak; its price, compared in
-this order:
-
-1. bytes each rank sends per optimizer step: 2 Psi (N-1)/N elements for stages 0 and 1
-   (accumulation communicates once, in the last micro-step), (k + 1) Psi (N-1)/N for
-   stage 2 (a reduce-scatter every micro-step, one all-gather), 3 k Psi (N-1)/N for
-   stage 3 (gathers in forward and backward, a reduce-scatter, every micro-step);
-2. recomputation: a second forward of every block, about a quarter more compute (chapter
-   09 measures it);
-3. micro-steps: smaller micro-batches use the hardware less well;
-4. the stage: among equals, the simpler one.
-
-Memory falls as k grows and the price rises, so for each (stage, recomputation) the
-cheapest configuration that fits is the one with the fewest micro-steps that fits; the
-planner finds that one per family and takes the cheapest of the families
-(tests/test_plan.py checks it against a search of every configuration).
+Memory falls as the micro-steps k grow and the price rises, so each (stage, recomputation)
+family's best is its fewest k that fits: the search stops there.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 from dataclasses import dataclass
@@ -35,9 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils.benchmark import timer as clock  # waits for the GPU's queue
 
-from minidist.cost_model import MODELS, STRATEGIES, comm_volume
+from minidist.cost_model import STRATEGIES, comm_volume
 from minidist.memory.estimate import GB, step_memory
-from minidist.model import GPT, PRESETS, GPTConfig, config_num_params, flops_per_token
+from minidist.model import GPT, GPTConfig, config_num_params, flops_per_token
 from minidist.memory.recompute import set_activation_checkpointing
 
 CPU_BUDGET_GB = 4.0  # per rank on a CPU, where nothing tells us what a process may use
@@ -57,7 +42,7 @@ class Choice:
     peak: float        # bytes per rank, minidist.memory.step_memory
     comm_bytes: float  # sent per rank per optimizer step
 
-    def price(self) -> tuple:
+    def price(self) -> tuple:  # bytes sent, recomputation (a second forward), micro-steps, stage
         return (self.comm_bytes, self.checkpointed, self.accum, self.stage)
 
     def describe(self) -> str:
@@ -75,17 +60,6 @@ def comm_bytes(stage: int, accum: int, psi: int, world: int, elem: int = 4) -> f
     """Bytes each rank sends per optimizer step (fp32 on the wire, as minidist sends):
     cost_model's formula, which counts the micro-steps of each stage."""
     return comm_volume(STRATEGIES[stage], psi, world, elem_bytes=elem, accum=accum)
-
-
-def _memory_here() -> float:
-    """Bytes free where measure_recompute runs: the GPU's, or the machine's available memory."""
-    if torch.cuda.is_available():
-        return torch.cuda.mem_get_info()[0]
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return float("inf")  # unknown: let it try
 
 
 def default_budget_gb(device: str) -> float:
@@ -194,96 +168,3 @@ def measure_recompute(cfg: GPTConfig, micro_batch: int, seq_len: int, repeats: i
     step(False), step(True)  # warm up both paths
     pairs = [(step(False), step(True)) for _ in range(repeats)]
     return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
-
-
-# ------------------------------------------------------------------ the table
-
-def _config(name: str) -> GPTConfig:
-    if name in MODELS:
-        return MODELS[name]
-    if name in PRESETS:
-        return GPTConfig(**PRESETS[name])
-    raise SystemExit(f"unknown model {name!r}: one of {', '.join([*PRESETS, *MODELS])}")
-
-
-def table(cfg: GPTConfig, batch: int, seq_len: int, world: int, budget_gb: float, precision: str) -> list[str]:
-    """Every configuration for one model, world size and budget, cheapest first."""
-    rows = [evaluate(cfg, batch, seq_len, world, s, k, ck, precision)
-            for s in (0, 1, 2, 3) for ck in (False, True) for k in accum_options(batch, world)]
-    rows.sort(key=Choice.price)
-    return [f"  {'fits' if c.peak <= budget_gb * GB else '    '}  {c.describe():55s} {c.peak / GB:8.2f} GB  "
-            f"{c.comm_bytes / GB:7.2f} GB sent" for c in rows]
-
-
-def _positive(kind):
-    """An argparse type: a `kind` (int or float) > 0 and finite; anything else exits 2 with
-    "argument --FLAG: must be ..." (a world of 0 ranks or a negative budget has no plan)."""
-    what = "an integer >= 1" if kind is int else "a finite number > 0"
-
-    def parse(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
-        if not (math.isfinite(v) and v > 0):
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
-        return v
-    parse.__name__ = what
-    return parse
-
-
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description="What fits a memory budget, and what it costs.")
-    p.add_argument("--preset", default="gpt2", help=f"one of {', '.join([*PRESETS, *MODELS])}")
-    p.add_argument("--world-size", type=_positive(int), default=8)
-    p.add_argument("--budget-gb", type=_positive(float), default=80.0, help="per rank")
-    p.add_argument("--batch-size", type=_positive(int), default=None,
-                   help="global, in sequences (default 8 per rank)")
-    p.add_argument("--seq-len", type=_positive(int), default=1024)
-    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--measure-recompute", type=_positive(int), metavar="B",
-                   help="time a step of B sequences with and without recomputation here, and stop")
-    p.add_argument("--vocab-size", type=_positive(int), help="default: the preset's (GPT-2's 50257)")
-    a = p.parse_args(argv)
-    if a.preset not in {**PRESETS, **MODELS}:
-        p.error(f"argument --preset: unknown model {a.preset!r}: one of {', '.join([*PRESETS, *MODELS])}")
-    batch = a.batch_size or 8 * a.world_size
-    try:
-        check_sizes(batch, a.seq_len, a.world_size, a.budget_gb)
-    except PlanError as e:
-        p.error(f"--batch-size/--world-size: {e}")
-    cfg = _config(a.preset)
-    if a.vocab_size:
-        cfg = GPTConfig(**{**cfg.to_dict(), "vocab_size": a.vocab_size})
-    if a.measure_recompute:
-        cfg = GPTConfig(**{**cfg.to_dict(), "block_size": max(cfg.block_size, a.seq_len)})
-        need = step_memory(cfg, a.measure_recompute, a.seq_len, 1, 0, False, "fp32")["peak"]  # (Adam's too: a margin)
-        have = _memory_here()
-        if need > 0.8 * have:
-            p.error(f"--measure-recompute builds {a.preset} here in fp32 with a batch of {a.measure_recompute}: about "
-                    f"{need / GB:.1f} GB, and this machine has {have / GB:.1f} GB free: use a smaller --preset or B")
-        plain, ckpt = measure_recompute(cfg, a.measure_recompute, a.seq_len)
-        print(f"{a.preset}, {a.measure_recompute} x {a.seq_len}: forward + backward {plain * 1e3:.0f} ms, with "
-              f"recomputation {ckpt * 1e3:.0f} ms: +{100 * (ckpt / plain - 1):.0f}% "
-              f"(the blocks' forward FLOPs: +{100 * recompute_flops_fraction(cfg, a.seq_len):.0f}%)")
-        return
-    print(f"{a.preset}: {config_num_params(cfg) / 1e6:.0f}M parameters, {a.world_size} ranks, batch "
-          f"{batch} x {a.seq_len}, {a.precision}, budget {a.budget_gb:g} GB per rank")
-    try:
-        print("  plan: " + plan(cfg, batch, a.seq_len, a.world_size, a.budget_gb, a.precision)[1])
-    except PlanError as e:
-        print(f"  plan: {e}")
-    if len(accum_options(batch, a.world_size)) <= 8:
-        print("\n".join(table(cfg, batch, a.seq_len, a.world_size, a.budget_gb, a.precision)))
-    print(f"\nevery model, 8 sequences of {a.seq_len} per rank per step, {a.budget_gb:g} GB per rank:")
-    for name, c in MODELS.items():
-        for n in (1, 8, 64, 1024):
-            try:
-                line = plan(c, 8 * n, a.seq_len, n, a.budget_gb, a.precision)[1].split(";")[0]
-            except PlanError as e:
-                line = str(e).split(";")[0]
-            print(f"  {name:>5s} x {n:4d}: {line}")
-
-
-if __name__ == "__main__":
-    main()

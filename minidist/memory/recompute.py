@@ -4,28 +4,11 @@
     python minidist/train_gpt.py --steps 20 --activation-checkpointing blocks
     pytest tests/test_memory.py
 
-A transformer block's forward keeps a dozen tensors alive for its backward (chapter 09
-counts them: about 16 x batch x sequence x width elements). `checkpoint(fn, x)` keeps
-only `x`: the forward runs `fn` with autograd off, and the backward runs `fn` again, this
-time recording a graph, and differentiates that. Memory falls from the whole block's
-activations to its input; the price is a second forward of the block.
-
-Two things make the second forward the same computation as the first:
-
-- random numbers: dropout draws from the RNG. The forward saves the generator states (the
-  CPU's, and the CUDA device's when the input is on one) and the backward sets them back
-  before recomputing, inside `torch.random.fork_rng`, so that the training run's stream
-  continues where the forward left it;
-- autocast: the backward is not run inside the forward's `torch.autocast` region, so the
-  forward records whether autocast was on and at which dtype, and the recomputation
-  re-enters the same state. Without it, a bf16 forward would be recomputed in fp32 and the
-  gradients would belong to another computation.
-
-The block's parameters are passed to the Function as inputs, and the backward returns
-their gradients (`torch.autograd.grad` on the recomputed graph) instead of accumulating
-them into `.grad` itself. So the gradients reach the parameters through the outer
-backward, as without checkpointing: the post-accumulate-grad hooks of DDP and ZeRO fire
-there, in the order they expect, and `torch.autograd.grad(loss, params)` works too.
+`checkpoint(fn, x)` keeps only `x`; the backward runs `fn` again with autograd on and
+differentiates that. The second forward is the same computation because the RNG states and
+the autocast state are saved and re-entered. The block's parameters are inputs of the
+Function and the backward returns their gradients, so they reach `.grad` through the outer
+backward: DDP's and ZeRO's post-accumulate-grad hooks fire in the order they expect.
 """
 
 from __future__ import annotations
@@ -107,11 +90,9 @@ def checkpoint(fn, x: torch.Tensor) -> torch.Tensor:
 
 
 def set_activation_checkpointing(model: nn.Module, on: bool = True) -> None:
-    """Recompute every transformer block of a minidist GPT in backward (or stop). Each
-    Block calls its `recompute` attribute, when set, around its own forward: the module's
-    hooks (ZeRO-3 gathers a block's parameters in them) run around the whole checkpointed
-    call, and the gather that stage 3 does when the gradient reaches the block's output
-    comes before the recomputation that needs those parameters."""
+    """Recompute every transformer block of a minidist GPT in backward (or stop). Each Block
+    calls its `recompute` attribute around its own forward, inside the module's hooks, so
+    ZeRO-3's gather of a block's parameters comes before the recomputation that needs them."""
     blocks = getattr(model, "blocks", None)
     if blocks is None:
         raise ValueError("activation checkpointing works per transformer block: the model "

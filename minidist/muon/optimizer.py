@@ -5,16 +5,8 @@
     python -m minidist.bench muon
     pytest tests/test_muon.py
 
-Muon (Jordan et al., 2024) updates each hidden weight matrix with the momentum of its
-gradient made orthogonal (M = U S V^T becomes about U V^T) by minidist/muon/orthogonalize.py.
-
-Distributed: each matrix has an owner rank that keeps its momentum and computes its
-update, and an all-gather hands every rank every update. The plain form, one round of N
-matrices and one all-gather at a time, is minidist/muon/plain.py (read it first). Muon.step
-is the same arithmetic, rounds packed in buckets of about 4 MB ("packing" below), each
-bucket's all-gather overlapping the next one's Newton-Schulz. Under ZeRO, gradients reach their
-owners by a reduce-scatter, and at stage 3 updates go only to the shards' holders: compose/.
-
+Muon.step is minidist/muon/plain.py's arithmetic (read it first), its rounds packed in
+buckets of about 4 MB, each bucket's all-gather overlapping the next one's Newton-Schulz.
 Which parameters belong to Muon is decided once (split_params) and checked after the
 first step (check_routing): a wrong routing trains silently with the wrong optimizer.
 """
@@ -149,9 +141,8 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """As minidist.muon.plain.PlainMuon.step, rounds in buckets whose all-gathers overlap
-        the next bucket's Newton-Schulz. Under ZeRO the gradients must reach their owners first
-        (the sync's finish_gradient_synchronization(): minidist/compose/zero_muon.py)."""
+        """As minidist.muon.plain.PlainMuon.step, rounds in buckets. Under ZeRO the gradients
+        must reach their owners first (minidist/compose/zero_muon.py)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -185,10 +176,9 @@ class Muon(torch.optim.Optimizer):
 # ---------------------------------------------------------------- packing: rounds into buckets
 
 class RoundBucket:
-    """Consecutive rounds whose updates travel in one all-gather. Each rank's part has one
-    slot per round, [has_update, update (flattened), padding], sized by the round's largest
-    matrix: shapes alone set the layout, so every rank computes the same one, and 'no
-    update' travels as data (flag 0) without anyone skipping a collective."""
+    """Consecutive rounds whose updates travel in one all-gather: per rank, one slot per round,
+    [has_update, update, padding], sized by the round's largest matrix, so every rank computes
+    the same layout and 'no update' travels as data (flag 0), no collective skipped."""
 
     def __init__(self, rounds: list[list[int]], items: list):
         self.rounds, self.slots, offset = rounds, [], 0  # slots: (offset, size) per round
@@ -239,10 +229,9 @@ def plan_buckets(items: list, order: list[int], world: int, bucket_bytes: float,
 # ---------------------------------------------------------------- routing: which parameters are Muon's
 
 def hidden_matrices(model: nn.Module) -> dict[int, str]:
-    """id -> name of the parameters meant for Muon, judged by what holds them, not by the
-    shape they have now (a flattened or sharded matrix is still one): every nn.Linear's
-    weight and any other 2-D parameter, except embeddings (lookup tables, not linear maps)
-    and the output head (lm_head), for which the Muon authors found AdamW better."""
+    """id -> name of the parameters meant for Muon, judged by what holds them, not by their
+    shape now (a sharded matrix is still one): nn.Linear weights and other 2-D parameters,
+    except embeddings and the output head (lm_head), for which AdamW works better."""
     skip = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) or getattr(m, "is_lookup", False)
             for p in m.parameters()}  # (is_lookup: a table of another class, e.g. split by vocabulary)
     head = getattr(model, "lm_head", None)
@@ -269,8 +258,7 @@ def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
 def check_routing(model: nn.Module, optimizers) -> None:
     """Call once after the first optimizer step: raises RuntimeError naming each parameter
     on the wrong optimizer unless every hidden matrix was stepped by a Muon and by nothing
-    else, and Muon held nothing else (sets of ids: cheap). It catches chapter 07 section 4's
-    silent failures: shape rules that route flat shards to AdamW or embeddings to Muon."""
+    else, and Muon held nothing else."""
     names = {id(p): (n, tuple(p.shape)) for n, p in model.named_parameters()}
     hidden = hidden_matrices(model)
     stepped_by_muon, held_elsewhere = set(), {}

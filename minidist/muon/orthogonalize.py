@@ -9,16 +9,10 @@ An odd polynomial step X <- a X + b (X X^T) X + c (X X^T)^2 X acts on each singu
 s of X as p(s) = a s + b s^3 + c s^5 and leaves the singular vectors alone, so a few steps
 carry G = U S V^T towards U V^T with nothing but matrix products.
 
-Two coefficient choices:
-- "jordan": Keller Jordan's fixed quintic (3.4445, -4.7750, 2.0315), the same at every
-  step (torch.optim.Muon's default). Singular values end in a band around 1, not at 1.
-- "polar_express": a different quintic at each of the 5 steps, each the minimax-best for
-  the interval the previous steps left (Amsel, Persson, Musco, Gower, "The Polar Express:
-  Optimal Matrix Sign Methods and Their Application to the Muon Algorithm",
-  arXiv:2505.16932, 2025). The numbers are the published ones the modded-nanogpt speedrun
-  uses (computed for 5 steps, a safety factor of 2e-2 and a cushion of 2); with them the
-  input is divided by 1.02 times its Frobenius norm, the safety margin they assume.
-A tuple (a, b, c) is accepted too, as torch.optim.Muon's `ns_coefficients`.
+Coefficients: "jordan", Keller Jordan's fixed quintic (torch.optim.Muon's default);
+"polar_express", a minimax-best quintic per step (Amsel et al., arXiv:2505.16932, 2025;
+the numbers the modded-nanogpt speedrun uses, with the input divided by 1.02 ||G||_F);
+or a tuple (a, b, c), as torch.optim.Muon's `ns_coefficients`.
 """
 
 from __future__ import annotations
@@ -81,11 +75,9 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bf
 def newton_schulz_many(matrices: list[torch.Tensor], steps: int = 5,
                        dtype: torch.dtype = torch.bfloat16, eps: float = 1e-7,
                        coefficients="jordan") -> list[torch.Tensor]:
-    """newton_schulz of each matrix, with one batched chain per shape group: matrices that
-    are the same once turned wide (an (m, n) and an (n, m) both iterate as (min, max)) are
-    stacked and orthogonalised together. Each keeps its own norm, so each result is
-    mathematically its own; the arithmetic per matrix is the same, and on this CPU the
-    bits are too (tests/test_muon.py), while a GPU's batched kernels may round differently."""
+    """newton_schulz of each matrix, one batched chain per shape once turned wide (an (m, n)
+    and an (n, m) both iterate as (min, max)). Each keeps its own norm, so each result is
+    its own; a GPU's batched kernels may round differently from one by one."""
     groups: dict[tuple[int, int], list[int]] = {}
     for i, M in enumerate(matrices):
         groups.setdefault((min(M.shape), max(M.shape)), []).append(i)

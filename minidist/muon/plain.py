@@ -12,9 +12,7 @@ instead of being orthogonalised N times. The matrices are dealt out by cost, lar
 first, N per round; rank r owns the r-th of each round, keeps its momentum (1/N of the
 state) and computes its update; then one all-gather per round hands every rank every
 update, as [flag, update, padding] (flag 0: no gradient, or no matrix left for this rank).
-minidist/muon/optimizer.py's Muon is the same arithmetic with rounds packed into buckets
-whose all-gathers overlap the next bucket's work, matrices of one shape batched, and more
-choices (coefficients, learning-rate rules).
+minidist/muon/optimizer.py's Muon is the same arithmetic, rounds packed into buckets.
 """
 
 from __future__ import annotations

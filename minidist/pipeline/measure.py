@@ -3,19 +3,10 @@ activations, each beside the formula it is checked against.
 
 Chapter 11 (chapters/11_pipeline.md). A `StepRecord` is an Observer of the schedule in
 minidist/pipeline/schedules.py (`pipeline_step(..., record=StepRecord())`): it times each
-forward, backward and batch of messages and counts what each forward saves for backward;
-the functions here read it.
-Exercised by `pytest tests/test_pipeline.py`.
-
-The two formulas of the chapter, for p stages and m micro-batches, when every stage
-takes the same time per micro-batch and messages cost nothing:
-
-    bubble = (p - 1) / (m + p - 1)   of the step's time, on every stage, in both GPipe and
-                                     1F1B: the first stage's last backward cannot start
-                                     before the forward and backward of p - 1 later stages
-    in flight: GPipe m micro-batches' activations on every stage (all forwards first);
-               1F1B min(p - stage, m) on stage `stage` (p on the first: a stage starts a
-               backward as soon as its first forward has come back from the last stage)
+forward, backward and batch of messages and counts what each forward saves for backward.
+Exercised by `pytest tests/test_pipeline.py`. The formulas, for p stages and m micro-batches:
+bubble (p - 1) / (m + p - 1) in GPipe and 1F1B; in flight, GPipe m micro-batches on every
+stage, 1F1B min(p - stage, m) on stage `stage`.
 """
 
 from __future__ import annotations
@@ -36,9 +27,8 @@ COMPUTE = ("F", "B")  # the kinds of event that are work; the rest is waiting or
 
 @dataclass
 class Event:
-    """One thing a stage did: `kind` "F" or "B" (forward or backward of micro-batch `mb`),
-    "send", "recv" or "send+recv" (one batch of messages, `mb` the micro-batch they
-    carry), or "idle"; start and end in seconds since the barrier that began the step."""
+    """One thing a stage did: `kind` "F", "B", "send", "recv", "send+recv" or "idle", of
+    micro-batch `mb`; start and end in seconds since the barrier that began the step."""
     kind: str
     mb: int | None
     start: float
@@ -99,11 +89,9 @@ def in_flight_formula(schedule: str, p: int, stage: int, m: int) -> int:
 def stage_activation_bytes(cfg: GPTConfig, B: int, T: int, n_blocks: int, first: bool,
                            last: bool) -> int:
     """Bytes one micro-batch of B x T tokens leaves saved for backward on a stage of
-    `n_blocks` blocks, fp32 (chapter 09's count, split at the cut): the blocks, plus on the
-    first stage the token and position indices (int64) the embeddings keep, and on the last
-    the final LayerNorm's input, statistics and output, the targets, the log-softmax and
-    the loss's fp32 total weight (chapter 09's head_activation_bytes, which leaves out that
-    one scalar, less the indices, which stay on the first). Exact, to the byte."""
+    `n_blocks` blocks, fp32 (chapter 09's count, split at the cut): the blocks, plus the
+    embeddings' indices on the first stage and the head's activations and the loss's fp32
+    total weight on the last. Exact, to the byte."""
     d, V = cfg.n_embd, cfg.vocab_size
     total = n_blocks * block_activation_bytes(B, T, d, cfg.n_head)
     if first:
@@ -118,8 +106,7 @@ def stage_activation_bytes(cfg: GPTConfig, B: int, T: int, n_blocks: int, first:
 
 def count_saved_bytes(module):
     """(counter, context): inside the context, every storage autograd saves for backward is
-    counted once into counter[0], leaving out `module`'s parameters (model states, not
-    activations): chapter 09's count, for one forward of a pipeline stage."""
+    counted once into counter[0], `module`'s parameters left out (chapter 09's count)."""
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}
     seen, counted = set(), [0]
 
@@ -153,8 +140,7 @@ def with_idle(records: list[StepRecord]) -> list[list[Event]]:
 def bubble_fraction(records: list[StepRecord]) -> float:
     """The measured bubble of one step, all stages' records together: the share of the
     step's time (barrier to last event, times p stages) in which a stage did no forward
-    or backward. Waiting for a message, sending one and Python's own overhead all count
-    as bubble; with compute large enough, this approaches bubble_formula(p, m)."""
+    or backward (messages and Python's overhead count as bubble)."""
     span = max((e.end for r in records for e in r.events), default=0.0)
     if span <= 0:
         return 0.0
@@ -173,9 +159,8 @@ def in_flight(order: list[tuple[str, int]]) -> int:
 
 
 def draw(records: list[StepRecord], width: int = 72) -> str:
-    """The timelines as text, one line per stage, time running left to right: micro-batch
-    i's forward drawn as the digit i, its backward as the i-th letter (a, b, ...; both
-    mod 10), "." where the stage waited or talked."""
+    """The timelines as text, one line per stage: micro-batch i's forward the digit i, its
+    backward the i-th letter (both mod 10), "." where the stage waited or talked."""
     span = max((e.end for r in records for e in r.events), default=0.0) or 1.0
     lines = []
     for r in records:

@@ -4,10 +4,8 @@ point-to-point messages; and two schedules of the micro-batches, GPipe (all forw
 all backwards) and 1F1B (one forward, one backward). Chapter 11 (chapters/11_pipeline.md);
 `pytest tests/test_pipeline.py` checks both against one process's gradient accumulation.
 
-Read top to bottom: `split_layers` (which blocks each stage holds); `Stage` (this rank's
-part of the GPT, the tied embedding/head matrix on the first and last stage); `exchange`;
-`Observer` (who watches a step: nobody, unless measure.StepRecord records it); `gpipe`
-and `one_f_one_b`, written with a `_Run`'s forward, backward and talk; `pipeline_step`.
+Read top to bottom: `split_layers`, `Stage`, `exchange`, `Observer`, `gpipe` and
+`one_f_one_b` (written with a `_Run`'s forward, backward and talk), `pipeline_step`.
 
 Why nothing deadlocks. A send may not finish before the receiver posts its receive (not
 on gloo, not in NCCL's kernels), so on each link both sides post the same messages in the
@@ -273,12 +271,9 @@ def pipeline_step(stage: Stage, micro_batches, schedule: str = "1f1b", dp_group=
     returns, this stage's gradients are those of one process's gradient accumulation over
     the same micro-batches (the tied matrix's summed over first and last stage), and the
     return value, on every stage, is the mean loss per target token. Every stage is handed
-    the same micro-batches (the first reads x, the last y, all their shape). The loss is
-    normalised as minidist.train.forward_backward does: summed, divided by the global
-    batch's target count, times the data-parallel size (`dp_group`: the replicas that will
-    average these gradients; None: these micro-batches are the whole batch). `loss_scale`:
-    fp16's, multiplied in before backward; `amp`: the forwards' autocast context;
-    `record`: an Observer (minidist.pipeline.measure.StepRecord records the timeline)."""
+    the same micro-batches (the first reads x, the last y). The loss is normalised as
+    minidist.train.forward_backward does (`dp_group`: the replicas that will average these
+    gradients). `loss_scale`: fp16's; `amp`: the forwards' autocast; `record`: an Observer."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
     device = next(stage.parameters()).device

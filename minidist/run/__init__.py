@@ -7,6 +7,7 @@ teach them (minidist/*.py). Chapter 08 (chapters/08_at_scale.md) describes the r
     locks.py               one run per output folder (a lock file beside its outputs)
     shards.py              python -m minidist.run.shards: the corpus as token shards
     checkpoints.py         python -m minidist.run.checkpoints: each checkpoint intact, or damaged and where
+    plan.py                python -m minidist.run.plan memory|mesh: the planners of chapters 09 and 11
     outputs.py             what a run leaves (metrics.jsonl, summary.json, loss.png) and how it ends
     launch.py              launch(fn, world_size, *args): fn in N local processes (chapter 02;
                            public as minidist.launch, the one name notebooks and exercises import)

@@ -3,12 +3,9 @@ process group, from a test, a notebook or an exercise. Chapter 02
 (chapters/02_collectives.md). Exercised by tests/test_dist.py and every notebook, through
 its public name minidist.launch: `python -c "from minidist.launch import launch; print(launch(abs, 2, -1))"`.
 
-It does torchrun's job inside one Python call: starts the processes, sets up the group,
-runs `fn(*args)` in each and returns the values, or re-raises the first failure with its
-rank. The backend follows where the function's tensors live, which only the caller knows:
-gloo and CPU tensors unless a GPU run is asked (device="cuda", backend="nccl", or
-device="auto" when every rank can have its own GPU). minidist/run/pool.py keeps such
-processes alive across many calls, with the helpers below.
+It does torchrun's job inside one Python call. The backend follows where the function's
+tensors live, which only the caller knows: gloo and CPU tensors unless a GPU run is asked
+(device="cuda", backend="nccl", or device="auto" when every rank can have its own GPU).
 """
 
 from __future__ import annotations
@@ -184,10 +181,8 @@ def choose_backend(world_size, backend, device):
 
 
 def _context():
-    """Forking the caller would copy its threads and CUDA state; a fresh interpreter
-    (spawn) costs seconds of torch import per process. A fork server, one clean process
-    that imported torch once, forks each child in milliseconds; the child then takes the
-    caller's environment, path and folder (_child). Spawn where there is none (Windows)."""
+    """A fork server (one clean process that imported torch once) forks each child in
+    milliseconds, without the caller's threads and CUDA state; spawn where there is none."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -281,11 +276,9 @@ def launch(fn, world_size: int, *args, backend: str | None = None, device: str |
     the list of return values, indexed by rank. Each call makes a fresh rendezvous (a
     TCPStore on a port the OS picks). A process that raises is re-raised here with
     "[rank r of N]" before its message and its traceback as the cause; the others get
-    `grace_s` seconds, then are stopped. `fn` may be defined in a notebook (see dumps);
-    the children's prints go to the terminal, not the notebook: return what to show.
-    Backend and device: as the module docstring says. `timeout_s` bounds each collective
-    and the rendezvous; `deadline_s`, if given, the whole call (a loop that never ends
-    calls no collective: only a deadline catches it), past which LaunchError says so."""
+    `grace_s` seconds, then are stopped. `fn` may be defined in a notebook; the children's
+    prints go to the terminal, not the notebook. `timeout_s` bounds each collective and the
+    rendezvous; `deadline_s`, if given, the whole call (LaunchError past it)."""
     backend, device_type = choose_backend(world_size, backend, device)
     check_times(timeout_s, grace_s, deadline_s)
     store, procs, results, _ = start_ranks(world_size, backend, device_type, timeout_s,

@@ -23,9 +23,8 @@ LOCK = "run.lock"
 
 
 def _run_id() -> str | None:
-    """What every rank of this run shares and no other run has: torchrun's run id (the
-    same across its restarts, and on every node), else the rendezvous address another
-    launcher gave the ranks; None for one process started by hand."""
+    """What every rank of this run shares and no other run has: torchrun's run id, else the
+    rendezvous address; None for one process started by hand."""
     rid = os.environ.get("TORCHELASTIC_RUN_ID")
     if rid and rid != "none":
         return f"torchrun {rid}"
@@ -52,9 +51,8 @@ def _lock_info(lock: Path, wait_s: float = 1.0) -> dict:
 
 def lock_holder(out) -> dict | None:
     """The run that holds `out`'s lock, if a live one other than this run does (its note:
-    host, pid, command, start); None if none does. The lock is an flock, which the kernel
-    drops when its holder dies however it dies: a killed run's lock file is left behind,
-    but nobody holds it, so its folder can be resumed."""
+    host, pid, command, start); None if none does (a killed run's lock file is left behind,
+    but nobody holds the flock)."""
     lock = Path(out) / LOCK
     try:
         fd = os.open(lock, os.O_RDONLY)
@@ -90,8 +88,7 @@ class OutDirInUse(RuntimeError):
 def acquire_lock(out, wait_s: float = 2.0):
     """Take `out`'s lock for this run (rank 0 calls it, once, before any work); returns
     what release_lock needs. OutDirInUse if another live run holds it. Waits up to
-    `wait_s` while the holder is this run (a previous torchrun attempt's rank 0 exiting,
-    another rank probing)."""
+    `wait_s` while the holder is this run (a previous torchrun attempt exiting)."""
     lock = Path(out) / LOCK
     t_end = time.monotonic() + wait_s
     while True:

@@ -1,10 +1,7 @@
-"""What a run of train_gpt leaves and how it ends: metrics.jsonl, written as it goes, and
-strict JSON throughout (a NaN is written as null); the loss plot; the watch that stops a
-run whose loss stays non-finite; and how a run that stops early or badly ends (Ending:
-summary.json and one line saying how to resume). Part of the workshop (minidist/run/):
-what runs the techniques; the measures a log line reports (MFU, throughput, memory) are
-chapter 01's, minidist/metrics.py. Chapter 08 (chapters/08_at_scale.md) uses these endings.
-Exercised by tests/test_reliability.py.
+"""What a run of train_gpt leaves and how it ends: metrics.jsonl, written as it goes, in
+strict JSON (a NaN is written as null); the loss plot; the watch that stops a run whose loss
+stays non-finite; and Ending: summary.json and one line saying how to resume. Chapter 08
+(chapters/08_at_scale.md) uses these endings. Exercised by tests/test_reliability.py.
 """
 
 from __future__ import annotations
@@ -41,10 +38,9 @@ OUTPUT_FILES = ("metrics.jsonl", "summary.json", "loss.png", "run.lock")
 
 
 def output_problem(out, checkpoints: bool = False) -> str | None:
-    """What stops a run from writing in folder `out` (--out-dir, made if missing), or None:
-    `out` a file or not writable, one of the files it writes a folder, or there and not
-    writable; with `checkpoints`, a checkpoints/ that is a file or cannot be written. Tried
-    before the first step, not found at the first save or after the last step."""
+    """What stops a run from writing in folder `out` (--out-dir, made if missing), or its
+    checkpoints/ (with `checkpoints`), or None: tried before the first step, not found at
+    the first save or after the last step."""
     if os.path.exists(out) and not os.path.isdir(out):
         return f"--out-dir {out} is a file, not a folder: name a folder"
     try:
@@ -73,10 +69,9 @@ def output_problem(out, checkpoints: bool = False) -> str | None:
 
 
 class MetricsFile(list):
-    """The log rows of a run, a list that also appends each row to `path` (metrics.jsonl)
-    as it is added, flushed: a crash or a kill keeps every row logged so far. The file
-    starts with `rows` (a resumed run's rows, restored from its checkpoint), so it always
-    reads as one run. `write=False` (ranks other than 0): a plain list."""
+    """The log rows of a run, a list that also appends each row to `path` (metrics.jsonl),
+    flushed, so a kill keeps every row so far. It starts with `rows` (a resumed run's), so
+    it reads as one run. `write=False` (ranks other than 0): a plain list."""
 
     def __init__(self, path, rows=(), write: bool = True):
         super().__init__()
@@ -99,10 +94,9 @@ NONFINITE_STEPS = 3  # consecutive non-finite losses that stop a run
 
 
 class RunStopped(RuntimeError):
-    """A run that ended before its last step, or ended badly (diverged, stopped by a
-    signal, a rank lost): its one line, naming why, the newest intact checkpoint and the
-    command to resume, has been printed on rank 0 and summary.json says how it ended.
-    `exit_code` is what the program exits with; the script prints no traceback for it."""
+    """A run that ended before its last step, or badly: its one line (why, the newest intact
+    checkpoint, the command to resume) is printed and summary.json written. `exit_code`:
+    what the program exits with; the script prints no traceback for it."""
 
     def __init__(self, message: str, exit_code: int = 1):
         super().__init__(message)
@@ -116,8 +110,7 @@ class NonFiniteLoss(RunStopped):
 class LossWatch:
     """Stops a run (NonFiniteLoss) once the loss has been non-finite for NONFINITE_STEPS
     steps in a row. Every rank sees the same, all-reduced loss, so all stop at the same
-    step. fp16's skipped steps do not count: an overflow there is in the scaled
-    gradients, and the loss they report is finite."""
+    step. fp16's skipped steps do not count (their loss is finite)."""
 
     def __init__(self, args):
         self.args, self.since = args, None  # the first step of the current bad streak
@@ -138,10 +131,8 @@ class LossWatch:
 
 
 class Ending:
-    """How a run that stops early or badly ends: summary.json saying how (strict JSON),
-    loss.png, and one line on rank 0 naming why, the newest good checkpoint (`good`, kept
-    up to date by the run) and the command that resumes from it. Collective-free, so it
-    also works after a rank is lost."""
+    """summary.json, loss.png and, on rank 0, one line naming why, the newest good checkpoint
+    (`good`) and the command that resumes. Collective-free: works after a rank is lost."""
 
     def __init__(self, args, argv, world_size: int, is_main: bool, rows, good=None):
         self.args, self.argv, self.world, self.is_main, self.rows = args, argv, world_size, is_main, rows

@@ -16,15 +16,11 @@ from minidist.run.launch import (check_times, choose_backend, collect_results, d
 
 
 class Pool:
-    """`world_size` processes in one process group that stay alive across calls, for many
-    short multi-process runs in a row (a test suite): `run(fn, *args)` is launch without
-    the process start. Use it as a context manager, or call close().
-
-    Calls run one after another on every rank, each in a new process group and from the
-    torch RNG state, environment, thread count and default dtype of a fresh process;
-    other global state a call changes (a module it patched) stays: give such functions
-    their own launch. A failed call (an exception, a dead rank, a timeout, a deadline) is
-    re-raised as launch would, and stops every process: the next call starts fresh ones.
+    """`world_size` processes kept alive across calls: `run(fn, *args)` is launch without
+    the process start. A context manager, or call close(). Each call gets a new process
+    group and a fresh process's RNG state, environment, thread count and default dtype;
+    other global state it changes (a patched module) stays. A failed call is re-raised as
+    launch would, and stops every process: the next call starts fresh ones.
     """
 
     def __init__(self, world_size: int, backend: str | None = None, device: str | None = None,
@@ -81,8 +77,7 @@ atexit.register(lambda: [p.close() for p in _SHARED.values()])
 
 def shared_pool(world_size: int) -> Pool:
     """The Pool of `world_size` ranks that this Python process shares (started on first
-    use, stopped at exit): the test suite and the exercise grader take theirs here, so
-    each pays for one process start per world size, not one per test or per grading."""
+    use, stopped at exit): one process start per world size, not one per test."""
     if world_size not in _SHARED:
         _SHARED[world_size] = Pool(world_size, timeout_s=float(os.environ.get("MINIDIST_TIMEOUT", 120)))
     return _SHARED[world_size]

@@ -15,15 +15,10 @@ from minidist.tensor_parallel.layers import shard_range
 def comm_bytes(cfg, B: int, T: int, tp: int, sequence_parallel: bool = False, elem: int = 4) -> dict:
     """Bytes one forward + backward of B sequences of T tokens hands to each collective on
     each rank (all-reduce: the tensor; all-gather: its output; reduce-scatter: its input),
-    and "sent", what a ring puts on the wire.
-
-    Without sequence parallelism: per layer 4 all-reduces of B T C elements (g forward
-    and f backward, attention and MLP), plus the embedding's g, the head's f, and the
-    loss's 3 all-reduces of B T. With it, each all-reduce becomes an all-gather and a
-    reduce-scatter: the same bytes sent, 2 (t-1)/t of the tensor. Regathering adds one
-    all-gather per column-parallel layer (2 per block, 1 for the head) in backward; the
-    replicated parameters used on positions (used_on_positions) add their gradients,
-    all-reduced in backward, one all-reduce per use."""
+    and "sent", what a ring puts on the wire. Per layer 4 all-reduces of B T C elements,
+    plus the embedding's, the head's and the loss's 3 of B T; under sequence parallelism
+    each becomes an all-gather and a reduce-scatter (the same bytes sent), regathering adds
+    one all-gather per column-parallel layer, and used_on_positions one all-reduce per use."""
     if tp == 1:
         return dict(all_reduce=0, all_gather=0, reduce_scatter=0, sent=0.0)
     N, C, L, b = B * T, cfg.n_embd, cfg.n_layer, int(cfg.bias)
@@ -55,12 +50,9 @@ def tp_block_activation_bytes(B: int, T: int, d: int, H: int, tp: int = 1,
     """Bytes one ParallelBlock saves for backward, fp32, dropout off (chapter 09's count,
     minidist.memory.block_activation_bytes, is the tp = 1 case: B T (64 d + 4 H + 16)).
 
-    Per token: the block's input and the residual after attention (4d each) with their
-    LayerNorms' mean and 1/std (8 each), and the two LayerNorm outputs (4d each), are
-    replicated: 16 d + 16. Split t ways: q k v (12 d), the attention output (4 d), the
-    MLP hidden and its GELU (16 d each), SDPA's logsumexp (4 per head): (48 d + 4 H) / t.
-    Sequence parallelism splits the replicated part too, over positions: all / t (the two
-    column-parallel layers keep their input's positions, not the gathered sequence)."""
+    Per token, replicated: the input, the residual, the two LayerNorms' outputs and
+    statistics, 16 d + 16; split t ways: q k v, attention output, MLP hidden and GELU,
+    SDPA's logsumexp, (48 d + 4 H) / t. Sequence parallelism splits all of it: all / t."""
     if not sequence_parallel:
         return B * T * (16 * d + 16) + B * T * (48 * d + 4 * H) // tp
     return B * T * (64 * d + 4 * H + 16) // tp
@@ -72,12 +64,8 @@ def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1,
     s b h (34 + 5 a s / h); tensor-parallel s b h (10 + 24/t + 5 a s / (h t)); with
     sequence parallelism s b h / t (34 + 5 a s / h).
 
-    Ours (tp_block_activation_bytes) against it: without dropout the two residual masks go
-    (34 -> 32, 10 -> 8); with SDPA the a s^2 scores and their mask are never stored (the
-    5 a s / h term becomes SDPA's logsumexp, 4 a bytes per token in fp32); fp32 doubles each element
-    (32 -> 64, 8 -> 16, 24 -> 48); and we count LayerNorm's statistics (16 per token). So
-    ours / theirs -> 64 / 34 (~1.9) for wide layers and short sequences, and falls far
-    below 1 for long sequences, where the paper's a s^2 term dominates."""
+    Ours differs (no dropout masks, SDPA stores no a s^2 scores, fp32, LayerNorm's
+    statistics counted): ours / theirs -> 64 / 34 for short sequences, far below 1 for long."""
     if sequence_parallel:
         return s * b * h / t * (34 + 5 * a * s / h)
     return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))

@@ -2,10 +2,7 @@
 in minidist/tensor_parallel/layers.py: attention by heads, the MLP by its hidden width, the token
 embedding and the tied head by vocabulary, with a cross entropy that never gathers the
 logits. `parallelize(model, tp_group, sequence_parallel)` returns this rank's shard;
-`shard_spec` says which slice of which full tensor each parameter is. The closed forms
-(bytes per step, parameters and activations per rank, a GPU node's predicted step time)
-are in minidist/tensor_parallel/cost.py.
-
+`shard_spec` says which slice of which full tensor each parameter is.
 Chapter 10 (chapters/10_tensor_parallel.md). Exercised by `pytest -q tests/test_tensor_parallel.py`
 and `torchrun --standalone --nproc_per_node=4 minidist/train_gpt.py --tp 2` (dp 2 x tp 2).
 
@@ -73,9 +70,8 @@ class ParallelMLP(nn.Module):
 
 
 class ParallelBlock(nn.Module):
-    """model.Block with split attention and MLP; layer norms and residual dropout as
-    before, on the whole sequence (replicated) or on this rank's positions (sequence
-    parallel). `recompute` as Block's (chapter 09's set_activation_checkpointing sets it)."""
+    """model.Block with split attention and MLP; layer norms and residual dropout on the
+    whole sequence, or on this rank's positions (sequence parallel). `recompute` as Block's."""
 
     def __init__(self, full, group, sp):
         super().__init__()
@@ -165,11 +161,9 @@ def vocab_parallel_cross_entropy(logits, targets, start: int, group, reduction: 
 
 
 class ParallelGPT(nn.Module):
-    """This rank's shard of a model.GPT: same attribute names (so parameter names are the
-    full model's), same forward signature. With targets, `forward` returns (logits, loss)
-    where logits are this rank's vocabulary columns, (B, T, stop - start): training never
-    gathers them. Without targets (sampling) it returns the full vocabulary's logits,
-    gathered over the group, so `generate` is the full model's own loop."""
+    """This rank's shard of a model.GPT: same attribute names and forward signature. With
+    targets, `forward` returns (logits, loss), logits this rank's vocabulary columns (never
+    gathered); without (sampling) the full vocabulary's logits, so `generate` is GPT's."""
 
     generate = GPT.generate  # every rank of the group runs it, in step, drawing the same tokens
 
@@ -222,10 +216,8 @@ class ParallelGPT(nn.Module):
         return dropout(self.drop, x, group, sp)
 
     def head(self, x, targets=None, reduction: str = "mean"):
-        """(logits, loss): this rank's vocabulary columns and the loss; without targets
-        (sampling) the full vocabulary's logits, gathered, and None. The head is column-
-        parallel over the vocabulary: under sequence parallelism it gathers the whole
-        sequence first, so each rank's loss covers every position."""
+        """(logits, loss), as forward's. Under sequence parallelism the head gathers the
+        whole sequence first, so each rank's loss covers every position."""
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return gather_vocabulary(logits.detach(), self.config.vocab_size, self.wte.group), None
@@ -251,8 +243,7 @@ def plain_layout(model: nn.Module):
 @torch.no_grad()
 def gather_vocabulary(local: torch.Tensor, vocab_size: int, group) -> torch.Tensor:
     """(..., V_r) logits of each rank's vocabulary range -> (..., V), for sampling only (no
-    gradient). The ranges may differ by one row (shard_range puts the extra rows first):
-    each rank pads its part to the widest, one all-gather, then each part is cut back."""
+    gradient): ranges may differ by one row, so each part is padded to the widest."""
     t = dist.get_world_size(group)
     if t == 1:
         return local
@@ -266,8 +257,7 @@ def gather_vocabulary(local: torch.Tensor, vocab_size: int, group) -> torch.Tens
 
 def parallelize(model: GPT, tp_group, sequence_parallel: bool = False):
     """This rank's shard of `model` (a minidist.model.GPT, identical on every rank of
-    tp_group), its weights copied from it. No collective runs here, so a refusal reaches
-    every rank alike."""
+    tp_group), its weights copied. No collective runs here: a refusal reaches every rank."""
     cfg, t = model.config, dist.get_world_size(tp_group)
     if cfg.n_head % t:
         raise ValueError(f"tensor parallelism splits attention by heads: n_head={cfg.n_head} "
@@ -279,8 +269,7 @@ def parallelize(model: GPT, tp_group, sequence_parallel: bool = False):
 
 def shard_spec(model: nn.Module) -> dict:
     """{full-model parameter name: (dim, ((start, stop), ...)) or None}: which slice of the
-    full tensor each parameter of a parallelized model holds (shard_of cuts it); None for
-    a replicated one. c_attn's weight and bias list three ranges: its q, k and v rows."""
+    full tensor each parameter of a parallelized model holds (None: replicated)."""
     return {name: getattr(p, "tp_shard", None) for name, p in model.named_parameters()}
 
 

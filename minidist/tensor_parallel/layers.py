@@ -5,25 +5,16 @@ parallelism, which splits what is left between the split layers over the sequenc
 Chapter 10 (chapters/10_tensor_parallel.md). Exercised by `pytest -q tests/test_tensor_parallel.py`
 and `torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --tp 2 --sequence-parallel`.
 
-This file holds the pieces, top to bottom:
-1. the conjugate pairs, written on torch.distributed with an explicit group: f (identity
-   forward, all-reduce backward) and g (all-reduce forward, identity backward); and for
-   sequence parallelism, all-gather over the sequence forward / reduce-scatter backward,
-   and its mirror;
-2. ColumnParallelLinear (rows of W: each rank makes some outputs from the whole input) and
-   RowParallelLinear (columns of W: each rank makes a partial sum of every output from its
-   slice of the input); column then row costs one all-reduce forward and one backward;
-   and the replicated parameters that sequence parallelism applies to a rank's positions
-   only (used_on_positions, LayerNorm);
-3. random numbers: which dropout draws the same mask on every rank, which its own.
-minidist/tensor_parallel/gpt.py builds the GPT's split from them (`parallelize`), and
-holds the closed forms (bytes, parameters, activations).
+The pieces, top to bottom: 1. the conjugate pairs f (identity forward, all-reduce
+backward) and g (its mirror), and for sequence parallelism all-gather / reduce-scatter over
+the sequence; 2. ColumnParallelLinear and RowParallelLinear (column then row costs one
+all-reduce forward and one backward) and the replicated parameters sequence parallelism
+applies to a rank's positions only; 3. which dropout draws the same mask on every rank.
+minidist/tensor_parallel/gpt.py builds the GPT's split from them (`parallelize`).
 
-Sequence parallelism (Korthikanti et al. 2022): between the split layers the residual
-stream, the layer norms and the dropout run on T/t positions per rank instead of all T
-on every rank. The all-reduce g after a row-parallel layer becomes a reduce-scatter over
-the sequence and the f before a column-parallel layer an all-gather: the same bytes, as
-a ring all-reduce is a reduce-scatter followed by an all-gather.
+Sequence parallelism (Korthikanti et al. 2022): between the split layers, the residual
+stream, norms and dropout run on T/t positions per rank; g becomes a reduce-scatter over
+the sequence and f an all-gather: the same bytes, as a ring all-reduce is the two in turn.
 
 fp32 is what the tests prove; nothing here hard-codes a device or a backend.
 """
@@ -238,12 +229,9 @@ class RowParallelLinear(nn.Module):
 def used_on_positions(p: torch.Tensor, group) -> torch.Tensor:
     """A replicated parameter applied, under sequence parallelism, to this rank's positions
     only (a layer norm's gain, a row-parallel bias, the position table): its gradient on
-    each rank is the sum over that rank's positions, a partial sum of the whole. Passing
-    the parameter through f (identity forward, all-reduce backward) sums the partial
-    gradients inside backward, so p.grad is whole, and the same on every rank, when
-    autograd hands it over. Whatever then averages gradients over data-parallel ranks
-    (DDP's buckets, ZeRO's reduce-scatters, both started during backward) finds it
-    complete and needs to know nothing about tensor parallelism."""
+    each rank is a partial sum of the whole. Passing it through f sums the partial
+    gradients inside backward, so p.grad is whole when autograd hands it over, and DDP's
+    buckets or ZeRO's reduce-scatters need to know nothing about tensor parallelism."""
     return copy_to_region(p, group)
 
 
@@ -273,11 +261,9 @@ def tp_rng(group, device: torch.device | str = "cpu"):
     the default stream, the same on every rank of the group (seeded alike), so dropout on
     replicated activations draws the same mask everywhere and the replicas stay equal.
 
-    Megatron keeps a second, persistent generator seeded with seed + offset + tp rank and
-    switches to it in such regions (its activation checkpointing saves and restores that
-    state too). Here each region's state is forked from the default stream: one number
-    drawn from it (the same on every rank) plus the rank. The effect is the same, and
-    chapter 09's recompute, which replays only the default stream, replays these too.
+    Megatron keeps a second, persistent generator per tp rank; here each region's state is
+    forked from the default stream (one number drawn from it, plus the rank), so chapter
+    09's recompute, which replays only the default stream, replays these too.
     """
     seed = int(torch.randint(0, 2**62, (1,)))
     device = torch.device(device)

@@ -15,11 +15,8 @@ Read in this order:
                 its units are buckets, as DDP's
     stage3.py   FullyShardedOptimizer: ZeRO-3 (also parameters, gathered per block);
                 its units are the transformer blocks and the root
-(Muon beside the shards joins two ideas: minidist/compose/zero_muon.py.)
-And zero_optimizer below, the one entry point for all three stages. Each stage's
-constructor builds its own units, then hands them to ZeroBase. `bucket_cap_mb` means what
-it means for DDP at every stage (minidist.ddp.make_buckets: about that many MiB per unit,
-0 one unit per parameter, None no cap); at stage 3 it cuts a block larger than the cap.
+And zero_optimizer below, the one entry point for all three stages. (Muon beside the
+shards joins two ideas: minidist/compose/zero_muon.py.)
 """
 
 from __future__ import annotations
@@ -34,11 +31,9 @@ __all__ = ["ShardedOptimizer", "FullyShardedOptimizer", "zero_optimizer", "Unit"
 
 
 def zero_optimizer(model: nn.Module, param_groups, optimizer_class, stage: int, **kwargs):
-    """The one entry point for ZeRO stages 1-3, and the one place a stage number becomes a
-    class: a ShardedOptimizer that averages the gradients itself (stages 1, 2) or a
-    FullyShardedOptimizer over `model` (stage 3); after it, `.shards_parameters` says which.
-    `others`: parameters another optimizer (Muon) updates; stage 3 shards them too, stages
-    1-2 leave them whole, outside their units."""
+    """A ShardedOptimizer that averages the gradients itself (stages 1, 2) or a
+    FullyShardedOptimizer over `model` (stage 3). `others`: parameters another optimizer
+    (Muon) updates; stage 3 shards them too, stages 1-2 leave them whole."""
     if stage in (1, 2):
         kwargs.pop("prefetch", None)
         kwargs.pop("others", None)

@@ -1,20 +1,12 @@
 """What every ZeRO stage shares, once its units exist. Chapter 06 (chapters/06_zero.md).
 Exercised by `pytest tests/test_zero.py`.
 
-Each stage's constructor builds its units (minidist/zero/layout.py: buckets at stages 1-2,
-blocks at stage 3), then hands them to ZeroBase, which builds the rest the same way for
-every stage:
-
-- the inner optimizer, on views of this rank's shards only (one view per param group per
-  unit, whose .grad is the matching slice of the unit's averaged gradient shard);
-- the gradient reduction: a post-accumulate-grad hook counts each unit's completed
-  gradients; a unit is reduce-scattered (averaged over ranks, only this rank's shard
-  kept) during backward once it and every unit before it in `reduce_order` are complete
-  (stages 2, 3: one order on every rank), or when backward ends (stage 1);
-  finish_gradient_synchronization() waits for the reduce-scatters in flight;
-- the rest of the gradient-sync interface (minidist/sync.py): no_sync(), the norm for
-  clip_grad_norm_(), scale_grads(); and zero_grad();
-- state_pieces(): what this rank holds, described for minidist.checkpoint.
+Each stage builds its units (minidist/zero/layout.py: buckets at stages 1-2, blocks at
+stage 3) and hands them to ZeroBase, which builds the rest the same way for every stage:
+the inner optimizer on views of this rank's shards, the reduce-scatter of each unit's
+gradients (during backward, in one `reduce_order` on every rank, at stages 2-3; when
+backward ends at stage 1), the gradient-sync interface (minidist/sync.py) and
+state_pieces() for minidist.checkpoint.
 """
 
 from __future__ import annotations
@@ -28,13 +20,10 @@ from minidist.zero.layout import Unit
 
 
 class ZeroBase(GradientSync):
-    """The shared part of ShardedOptimizer (stages 1, 2) and FullyShardedOptimizer (stage 3);
-    see the module docstring. A stage's constructor calls ZeroBase.__init__ with its units
-    built, and registers _on_grad on the parameters whose gradients it reduces itself.
-    `shards_parameters` answers "is it stage 3?" for everyone (minidist/compose/zero_muon.py too):
-    whether parameters are whole on every rank at rest (stages 1, 2) or only shards.
-    no_sync() is GradientSync's no-op at stages 2 and 3: they keep no full gradient to
-    accumulate into, so every micro-step reduce-scatters into the shards (which add up)."""
+    """The shared part of ShardedOptimizer (stages 1, 2) and FullyShardedOptimizer (stage 3).
+    A stage registers _on_grad on the parameters it reduces itself. `shards_parameters`:
+    are parameters only shards at rest (stage 3)? no_sync() is a no-op at stages 2-3: they
+    keep no full gradient, so every micro-step reduce-scatters into the shards."""
 
     shards_parameters = False  # FullyShardedOptimizer: True
 
@@ -117,8 +106,7 @@ class ZeroBase(GradientSync):
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for the reduce-scatters in flight and add their results into the gradient
-        shards (summed over micro-steps, averaged over ranks). Runs by itself at the end of
-        backward; calling it again is a no-op."""
+        shards. Runs by itself at the end of backward; calling it again is a no-op."""
         for u, out, work in self._pending:
             if work is not None:
                 work.wait()
@@ -163,14 +151,11 @@ class ZeroBase(GradientSync):
     # ---- what this rank holds ---------------------------------------------------------
 
     def state_pieces(self) -> tuple[list, list]:
-        """What this rank holds, for minidist.checkpoint: (state, params).
-
-        state: (p, start, holder, lo, hi) for every range of a parameter's elements whose
-        optimizer state this rank keeps: elements [start, start + hi - lo) of flattened p
-        are elements [lo, hi) of `holder`, a key of self.state (a shard view), and of the
-        state's tensors. Every element is kept by exactly one rank.
-        params: (p, start, tensor) where this rank holds a parameter's elements only as a
-        piece (stage 3); empty when every rank holds every parameter whole (stages 1, 2)."""
+        """What this rank holds, for minidist.checkpoint: (state, params). state: (p, start,
+        holder, lo, hi): elements [start, start + hi - lo) of flattened p are elements
+        [lo, hi) of `holder` (a key of self.state) and of its state's tensors; every element
+        is kept by exactly one rank. params: (p, start, tensor) where this rank holds a
+        parameter only as a piece (stage 3); empty at stages 1, 2."""
         state = []
         for view, u, a0 in self.shard_views:
             lo = u.lo + a0

@@ -1,14 +1,11 @@
 """The flat padded shard layout every ZeRO stage uses. Chapter 06 (chapters/06_zero.md),
 section "The layout". Exercised by `pytest tests/test_zero.py`.
 
-Sharding is by flat, padded element ranges, as DeepSpeed does: the parameters of a unit
-(a bucket at stages 1-2, a transformer block at stage 3) live in one flat buffer whose
-length is padded to a multiple of N, and rank r owns elements [r*S, (r+1)*S) of it
-(S = padded length / N). Every rank gets the same number of elements, whatever the
-parameter shapes; a parameter may straddle two ranks, which an elementwise optimizer does
-not mind. Within a unit, parameters are ordered by param group, so a rank's shard meets
-each group in one contiguous range: that range is the tensor the rank's inner optimizer
-sees, with the group's hyperparameters.
+A unit's parameters (a bucket at stages 1-2, a block at stage 3) live in one flat buffer
+padded to a multiple of N; rank r owns elements [r*S, (r+1)*S). A parameter may straddle
+two ranks, which an elementwise optimizer does not mind. Within a unit, parameters are
+ordered by param group, so a rank's shard meets each group in one contiguous range: the
+tensor its inner optimizer sees, with the group's hyperparameters.
 """
 
 from __future__ import annotations
@@ -21,9 +18,8 @@ import torch
 def trainable_in_order(params, module=None) -> tuple[list[dict], dict, list]:
     """(groups, group_of, ordered) for an optimizer's `params` (tensors or param groups):
     the groups as dicts; each trainable parameter's group index; the trainable parameters,
-    each once, in `module`'s registration order when given (backward produces gradients in
-    roughly the reverse of it), else in the groups' order. Frozen parameters
-    (requires_grad=False) are neither sharded nor updated."""
+    each once, in `module`'s registration order when given, else the groups'. Frozen
+    parameters are neither sharded nor updated."""
     groups = list(params)
     if not groups:
         raise ValueError("a ZeRO optimizer got an empty parameter list")

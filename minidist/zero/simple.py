@@ -14,9 +14,8 @@ its slice (the shard), the only tensor this rank's optimizer sees:
     opt = torch.optim.AdamW([u.shard for u in units])
     loss.backward(); zero1_step(units[0], opt)    # or zero2_step, or zero3_step(units, opt)
 
-The optimised classes that follow (layout.py, base.py, stage12.py, stage3.py) do the
-same arithmetic in buckets, during backward, with param groups, gradient accumulation,
-clipping and checkpoints; tests/test_simple_forms.py holds them equal to these steps.
+The optimised classes (layout.py, base.py, stage12.py, stage3.py) do the same arithmetic
+in buckets, during backward, with param groups, accumulation, clipping and checkpoints.
 """
 
 from __future__ import annotations

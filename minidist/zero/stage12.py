@@ -4,26 +4,11 @@
     torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --zero-stage 2
     pytest tests/test_zero.py
 
-Plain data parallelism keeps N full copies of everything: parameters, gradients and the
-optimizer state (AdamW: two moments, 8 bytes per fp32 parameter). ZeRO (Rajbhandari et
-al., 2020) notices that an elementwise optimizer updates each element independently, so
-rank r only needs the state, and the averaged gradient, of 1/N of the elements:
-
-- stage 1: each rank keeps the optimizer state of its shard only, steps its shard, and
-  the updated shards are all-gathered so every rank has the full parameters again;
-- stage 2: also the gradients: while backward runs, each bucket of gradients is
-  reduce-scattered (averaged, and only this rank's shard kept) and the full-size
-  gradients are freed at once.
-
-Communication stays that of data parallelism: a reduce-scatter plus an all-gather move the
-same bytes as one all-reduce (which is exactly a reduce-scatter followed by an all-gather).
-
 Sharding is by flat, padded element ranges (minidist/zero/layout.py): each bucket of
 parameters (minidist.ddp.make_buckets, as DDP's) is one flat buffer cut N ways. (torch's
-ZeroRedundancyOptimizer instead assigns whole parameters to ranks: no padding and no split
-tensors, but the balance is only as good as the parameter sizes allow.) What the stages
-share, given their units (the inner optimizer on the shards, the reduce-scatters, clipping,
-checkpoint pieces), is in minidist/zero/base.py; this file is what stages 1 and 2 add.
+ZeroRedundancyOptimizer assigns whole parameters to ranks instead: no padding, but the
+balance is only as good as the parameter sizes allow.) What the stages share is in
+minidist/zero/base.py; this file is what stages 1 and 2 add.
 """
 
 from __future__ import annotations
@@ -41,30 +26,19 @@ from minidist.zero.layout import Unit, trainable_in_order
 class ShardedOptimizer(ZeroBase):
     """ZeRO-1 with the API of torch.distributed.optim.ZeroRedundancyOptimizer, and ZeRO-2.
 
-    reduce_gradients=False, the default, is ZeroRedundancyOptimizer's contract and serves
-    only its API (tests/test_zero.py holds the two equal; chapter 06 and exercise 06 teach
-    it): the gradients arrive averaged already (by DDP), finish_gradient_synchronization()
-    copies this rank's part of them into its shards once per step (`_taken`), step()
-    updates the shards with an `optimizer_class` built on them only and all-gathers.
+    reduce_gradients=False, the default, is ZeroRedundancyOptimizer's contract: the gradients
+    arrive averaged already (by DDP); finish_gradient_synchronization() copies this rank's
+    part into its shards once per step, step() updates the shards and all-gathers.
+    reduce_gradients=True, what training uses: the optimizer reduce-scatters the gradients
+    itself, so no DDP is needed. stage=1 reduce-scatters every bucket after backward (and
+    accumulates full gradients inside no_sync()); stage=2 (implies reduce_gradients) each
+    bucket as soon as backward has produced it, freeing the full-size gradients at once.
 
-    reduce_gradients=True, what training uses: the optimizer averages the gradients
-    itself, with a reduce-scatter that leaves each rank only its shard, so no DDP is
-    needed (and the bytes sent per step are those of one all-reduce). stage=1 reduce-scatters after
-    backward, every bucket at once; stage=2 (implies reduce_gradients) reduce-scatters each
-    bucket as soon as backward has produced it, asynchronously, and frees the full-size
-    gradients at once. Under gradient accumulation, stage 1 accumulates full gradients
-    inside no_sync() and reduces once; stage 2 reduces every micro-step into its shard.
-
-    bucket_cap_mb: buckets as DDP's (minidist.ddp.make_buckets): about that many MiB each,
-    0 one bucket per parameter, None one bucket for everything. param_groups are the
-    shards' groups (lr and the like are set there, as usual); zero_grad() zeroes the
-    gradient shards in place (after a reduction, a parameter's .grad is meaningful only
-    within this rank's shard, if it exists at all); clip_grad_norm_() clips by the norm of
-    the whole gradient, computed from the shards. `collectives="minidist"` runs the ring
-    collectives of minidist.comm instead of torch's (synchronous, and countable with
-    minidist.comm.count_bytes). `module`, when given, orders the buckets as its parameters
-    are registered (backward produces gradients in roughly the reverse order); otherwise
-    the order is that of the param groups.
+    bucket_cap_mb: as DDP's (0 one bucket per parameter, None one for everything).
+    clip_grad_norm_() clips by the whole gradient's norm, computed from the shards.
+    `collectives="minidist"` runs minidist.comm's ring collectives (synchronous, countable
+    with minidist.comm.count_bytes). `module`, when given, orders the buckets as its
+    parameters are registered; otherwise the order is that of the param groups.
     """
 
     def __init__(self, params, optimizer_class, group=None, stage: int = 1,
@@ -98,8 +72,7 @@ class ShardedOptimizer(ZeroBase):
     @contextlib.contextmanager
     def no_sync(self):
         """Stage 1: accumulate full gradients locally, reduce after the last micro-step.
-        Stage 2 reduces every micro-step anyway (its full gradients are freed), so this
-        is a no-op there."""
+        A no-op at stage 2, which reduces every micro-step (its full gradients are freed)."""
         self._no_sync = self.stage == 1
         try:
             yield
@@ -119,10 +92,9 @@ class ShardedOptimizer(ZeroBase):
         self._pending.append((u, None, self._reduce_scatter(u.grad_shard, u.flat_grad)))
 
     def finish_gradient_synchronization(self) -> None:
-        """Complete this rank's gradient shards: wait for the reduce-scatters in flight; or,
-        under ZeroRedundancyOptimizer's contract (gradients averaged elsewhere, by DDP),
-        copy this rank's part of them in, once per step. step() calls it; call it before
-        LossScaler.unscale_, which must see the gradients the step will use."""
+        """Complete this rank's gradient shards: wait for the reduce-scatters in flight, or
+        (reduce_gradients=False) copy this rank's part of the averaged gradients in, once per
+        step. step() calls it; call it before LossScaler.unscale_."""
         if self.reduce_gradients:
             return super().finish_gradient_synchronization()
         if not self._taken:

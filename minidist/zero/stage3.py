@@ -4,30 +4,12 @@
     torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --zero-stage 3
     pytest tests/test_zero.py
 
-Stages 1 and 2 (minidist/zero/stage12.py) still keep every parameter on every rank. Stage 3 keeps
-only this rank's shard of each unit at rest (a unit: one transformer block; the "root"
-holds everything outside the blocks: embeddings, final norm, the tied head; bucket_cap_mb,
-as everywhere, cuts a block or the root larger than the cap into several units of about
-that size, gathered together). A block's full parameters exist only while they are used:
-
-    forward:  gather unit i (and start gathering unit i+1: prefetch), run it, free it
-    backward: when the gradient reaches block i's output, gather it again (and start
-              gathering block i-1), run its backward; once all its parameters have their
-              gradients, reduce-scatter them (as stage 2) and free the parameters
-
-The root unit is gathered when the model's forward starts and freed when backward ends
-(its embeddings are used first in forward and last in backward, so there is nothing to
-win by freeing it in between); in a forward without gradients (evaluation, generation)
-everything is freed at once. Communication per step: an all-gather of every unit in
-forward, of every block again in backward, and a reduce-scatter of the gradients: 3 Psi
-(N-1)/N elements per rank, less the root's second gather, against 2 Psi for stages 0-2.
-
+A unit is one transformer block (cut by bucket_cap_mb when larger); the "root" holds
+everything outside the blocks and is gathered for the whole step (its embeddings are used
+first in forward and last in backward, so there is nothing to win by freeing it between).
 Freeing keeps the tensors: each parameter's .data is a view into its unit's flat buffer,
-and freeing resizes that buffer's storage to zero bytes (gathering resizes it back and
-fills it), so the parameters, and the tensors autograd saved for backward, stay the same
-objects throughout. The optimizer sees only the shards, which are separate tensors.
-What the stages share (the inner optimizer on the shards, the reduce-scatters, clipping,
-checkpoint pieces) is in minidist/zero/base.py.
+and freeing resizes that buffer's storage to zero bytes (gathering resizes it back), so the
+parameters, and the tensors autograd saved for backward, stay the same objects throughout.
 """
 
 from __future__ import annotations
@@ -46,16 +28,11 @@ from minidist.zero.layout import Unit, trainable_in_order
 class FullyShardedOptimizer(ZeroBase):
     """ZeRO-3 over `module`: FullyShardedOptimizer(module, params, optimizer_class, **kw).
 
-    `params` are the parameters (or param groups) to optimise, as for any optimizer; the
-    blocks are `module.blocks` (one per element), the root the rest; each is one unit, or
-    several of about `bucket_cap_mb` MiB when larger (0: one unit per parameter; None:
-    never cut). The module is used as it is: hooks on it gather and free parameters around
-    every forward. `prefetch=False` gathers each block only when it is needed (to measure
-    what prefetch gains). `others`: parameters another optimizer updates from the shards
-    (Muon's matrices: ShardedMuon, minidist/compose/zero_muon.py), sharded and gathered here in units of their
-    own, their gradients left alone. The optimizer API is ShardedOptimizer's: step(), zero_grad(),
-    param_groups, no_sync() (a no-op: every micro-step reduce-scatters),
-    finish_gradient_synchronization(), clip_grad_norm_(), memory_bytes()."""
+    The blocks are `module.blocks`, the root the rest; hooks on the module gather and free
+    parameters around every forward. `prefetch=False` gathers each block only when needed
+    (to measure what prefetch gains). `others`: parameters another optimizer updates from
+    the shards (Muon's matrices: minidist/compose/zero_muon.py), sharded and gathered here
+    in units of their own, their gradients left alone. The API is ShardedOptimizer's."""
 
     shards_parameters = True
 
@@ -65,9 +42,6 @@ class FullyShardedOptimizer(ZeroBase):
         self.reduce_gradients = True  # always: it averages the gradients itself, as stage 2
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         groups, group_of, ordered = trainable_in_order(params)
-        # `others`: parameters another optimizer updates (Muon's matrices, zero/muon.py):
-        # sharded and gathered like the rest, in units of their own, but their gradients
-        # are left to that optimizer and their shards are not in the inner optimizer
         others = [p for p in dict.fromkeys(others) if p not in group_of]
         make_units = lambda ps, of: [Unit(b, of, self.rank, self.world)
                                      for b in (make_buckets(ps, bucket_cap_mb) if ps else [])]
@@ -216,9 +190,8 @@ class FullyShardedOptimizer(ZeroBase):
                 "peak_gathered": self.peak_gathered_bytes}
 
     def state_pieces(self) -> tuple[list, list]:
-        """As ZeroBase's, and the parameters too: at rest this rank holds them only as its
-        shards, whose views are the optimizer state's holders (same elements, same values).
-        A sharded parameter none of whose elements is here comes with an empty tensor."""
+        """As ZeroBase's, and the parameters too, as their shards (a sharded parameter none of
+        whose elements is here comes with an empty tensor)."""
         state, _ = super().state_pieces()
         params = [(p, start, holder[lo:hi]) for p, start, holder, lo, hi in state]
         params += [(p, start, u.shard[a - u.lo:b - u.lo])  # the other optimizer's: from the shards
