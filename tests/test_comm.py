@@ -156,7 +156,7 @@ def _one_rank_skips(woke):
 
 
 def test_rank_that_never_joins_is_a_named_timeout(monkeypatch, tmp_path):
-    monkeypatch.setenv("MINIDIST_TIMEOUT", "3")  # the children inherit it and read it as they wait
+    monkeypatch.setenv("MINIDIST_TIMEOUT", "1")  # the children inherit it and read it as they wait
     woke = tmp_path / "woke"
     with pytest.raises(TimeoutError, match=r"all_reduce: reduce-scatter step 1/1: rank 0 could not"):
         launch(_one_rank_skips, 2, str(woke), timeout_s=300)

@@ -67,7 +67,7 @@ def _skips_collective(woke):
 def test_missing_peer_is_an_error_not_a_hang(tmp_path):
     woke = tmp_path / "woke"
     with pytest.raises(Exception, match=r"rank 0 of 2"):
-        launch(_skips_collective, 2, str(woke), timeout_s=3)
+        launch(_skips_collective, 2, str(woke), timeout_s=2)
     assert not woke.exists()  # the error came before the sleeping peer woke: no waiting on it
 
 
@@ -87,8 +87,8 @@ def _spins_forever():
 
 
 def test_deadline_stops_a_run_that_never_ends():
-    with pytest.raises(LaunchError, match="still running after the deadline of 3s"):
-        launch(_spins_forever, 2, deadline_s=3)
+    with pytest.raises(LaunchError, match="still running after the deadline of 1s"):
+        launch(_spins_forever, 2, deadline_s=1)
     # the ranks spin forever: that launch returned at all is the deadline's doing
 
 
@@ -168,8 +168,8 @@ def test_pool_failure_is_reraised_with_rank_and_the_next_call_gets_fresh_process
         with pytest.raises(ValueError, match=r"\[rank 1 of 2\] bad thing") as e:
             pool.run(_fails_on_rank_one)
         assert e.value.rank == 1 and "_fails_on_rank_one" in str(e.value.__cause__)
-        with pytest.raises(LaunchError, match="still running after the deadline of 3s"):
-            pool.run(_spins_forever, deadline_s=3)  # (it spins forever: returning is the proof)
+        with pytest.raises(LaunchError, match="still running after the deadline of 1s"):
+            pool.run(_spins_forever, deadline_s=1)  # (it spins forever: returning is the proof)
         assert pool.run(_who_and_sum, 0.5) == [(r, 2, "gloo", 3.5) for r in range(2)]
         assert pool.starts == 3  # one start, and a fresh one after each failure
 

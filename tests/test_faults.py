@@ -38,6 +38,11 @@ def _final(out):
 
 
 def test_killed_rank_and_killed_save_resume_exactly(tmp_path):
+    """Three jobs, each kill once: the uninterrupted run; a run whose rank 1 is killed while
+    writing step 4's checkpoint (no restart: the job fails); and that run started again by
+    hand, whose rank 1 is killed after step 5 and which torchrun restarts. The last job
+    resumes twice (from the killed save's predecessor, then from a checkpoint a resumed
+    run wrote) and must end bitwise where the uninterrupted run ends."""
     r = _torchrun(tmp_path / "whole")
     assert r.returncode == 0, r.stderr
     whole, whole_losses = _final(tmp_path / "whole")
@@ -46,27 +51,26 @@ def test_killed_rank_and_killed_save_resume_exactly(tmp_path):
                                            .read_text().splitlines()) if "loss_scale" in r]
     assert len(set(scales)) > 1  # the scale moved, so resuming it matters
 
-    # rank 1 is SIGKILLed after step 3; torchrun restarts both ranks; they resume from step 2
-    r = _torchrun(tmp_path / "killed", "--resume", "auto", restarts=1, fault="kill:step:3:1")
-    assert r.returncode == 0, r.stderr
-    assert "injected fault: SIGKILL rank 1 at step 3" in r.stderr
-    assert "resumed from" in r.stdout and "at step 2" in r.stdout
-
     # rank 1 is SIGKILLed while writing step 4's checkpoint: no restart, the job fails
-    out = tmp_path / "killed_in_save"
+    out = tmp_path / "killed"
     r = _torchrun(out, restarts=0, fault="kill:save:4:1")
     assert r.returncode != 0 and "injected fault: SIGKILL rank 1 at save 4" in r.stderr
     assert [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")] == ["step_00000002"]
     assert (out / "checkpoints" / ".tmp_step_00000004").is_dir()  # the unfinished one, hidden
-    r = _torchrun(out, "--resume", "auto")  # started again by hand
-    assert r.returncode == 0, r.stderr
 
-    for name in ("killed", "killed_in_save"):
-        state, losses = _final(tmp_path / name)
-        assert losses == whole_losses, name  # the log rows of steps 1-2 came from the checkpoint
-        assert state.keys() == whole.keys()
-        for k, v in whole.items():  # bitwise: the same arithmetic in the same order
-            assert torch.equal(state[k], v) if torch.is_tensor(v) else state[k] == v, (name, k)
+    # started again by hand, it resumes from step 2; its rank 1 is SIGKILLed after step 5;
+    # torchrun restarts both ranks, which resume from the step 4 this job saved
+    r = _torchrun(out, "--resume", "auto", restarts=1, fault="kill:step:5:1")
+    assert r.returncode == 0, r.stderr
+    assert "injected fault: SIGKILL rank 1 at step 5" in r.stderr
+    resumed = [line for line in r.stdout.splitlines() if "resumed from" in line]
+    assert len(resumed) == 2 and "at step 2" in resumed[0] and "at step 4" in resumed[1], r.stdout
+
+    state, losses = _final(out)
+    assert losses == whole_losses  # the log rows of steps 1-4 came from the checkpoints
+    assert state.keys() == whole.keys()
+    for k, v in whole.items():  # bitwise: the same arithmetic in the same order
+        assert torch.equal(state[k], v) if torch.is_tensor(v) else state[k] == v, k
     assert not (out / "checkpoints" / ".tmp_step_00000004").exists()
 
 
@@ -82,10 +86,13 @@ def test_resume_refuses_other_settings_before_any_work(tmp_path):
     assert r.returncode != 0 and "--resume auto continues it" in r.stderr
 
 
-def _diverge(how):
+def _diverge(how, timeout_s):
     """2 ranks under the collective tracer, a training loop shaped like train_gpt's; rank 1
-    skips the backward of step 1 ("skip"), or stops there ("stop")."""
-    faults.trace_collectives(timeout_s=3)
+    skips the backward of step 1 ("skip"), or stops there ("stop"). The tracer waits
+    `timeout_s` for a peer at each collective: a mismatch is found without waiting, so
+    "skip" gets a long one; "stop" waits it out once, and its earlier collectives, a few
+    milliseconds of work apart, need a margin of only a second or two."""
+    faults.trace_collectives(timeout_s=timeout_s)
     try:
         torch.manual_seed(0)
         model = DDP(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=32)))
@@ -105,7 +112,7 @@ def _diverge(how):
 
 def test_mismatch_detector_names_the_first_divergent_collective():
     with pytest.raises(faults.CollectiveMismatch) as e:
-        launch(_diverge, 2, "skip", timeout_s=60)
+        launch(_diverge, 2, "skip", 30, timeout_s=60)
     text = str(e.value)
     assert "ranks diverge at collective #" in text, text
     assert "all_reduce(float32[" in text and "ddp.py" in text  # the gradients' bucket, on rank 0
@@ -114,7 +121,7 @@ def test_mismatch_detector_names_the_first_divergent_collective():
 
 def test_a_rank_that_never_arrives_is_named_within_the_timeout():
     with pytest.raises(faults.CollectiveMismatch) as e:
-        launch(_diverge, 2, "stop", timeout_s=60)
+        launch(_diverge, 2, "stop", 2, timeout_s=60)
     text = str(e.value)
-    assert "rank 1 did not reach collective #" in text and "within 3 s" in text, text
+    assert "rank 1 did not reach collective #" in text and "within 2 s" in text, text
     assert "Rank 1's last collective was #" in text
