@@ -2,9 +2,9 @@
 checks it belongs to, and a solution written the way the exercise asks scores full.
 
 (tests/test_exercises.py proves that the stub scores 0 and minidist scores full, on 2
-and 3 ranks.) Each process launch costs seconds here, so ONE launch on 2 ranks runs every
-part of the grader for the plain solution and for every mistake; each is then graded
-from its share of the results, as the grader would grade it on 2 ranks. The mistakes
+and 3 ranks.) Each process start costs seconds here, so the same 2 ranks (the shared
+pool) run every part of the grader for the plain solution and for every mistake; each is
+then graded from its share of the results, as the grader would grade it on 2 ranks. The mistakes
 are the plain solution with one piece changed. The classes live at module level:
 cloudpickle ships them to the ranks by name.
 """
@@ -255,15 +255,22 @@ def _accumulator_on_ranks(cls, fns, r, n):
 
 @pytest.fixture(scope="module")
 def shared():
-    """Every part, for the plain solution and every mistake, in one launch on 2 ranks."""
+    """Every part, for the plain solution and every mistake, on the same 2 ranks (one
+    shared pool, no process started per solution): one run of the grader's harness per
+    solution, as the grader runs one per implementation. (One run for all of them cost
+    twice as much: after each part the harness writes everything its run has finished so
+    far, so the writes grow with the square of the parts in one run.)"""
     import functools
-    parts = {"oracle": C6._oracle_part,  # and the find-the-bug part, fixed and as shipped
+    runs = [{"oracle": C6._oracle_part,  # and the find-the-bug part, fixed and as shipped
              "accumulator": functools.partial(_accumulator_on_ranks, C6.ReferenceGradAccumulator),
-             "shipped accumulator": functools.partial(_accumulator_on_ranks, E6.ShardedGradAccumulator)}
+             "shipped accumulator": functools.partial(_accumulator_on_ranks, E6.ShardedGradAccumulator)}]
     for label, cls in SOLUTIONS.items():
-        parts.update({f"{label}|{p}": functools.partial(_on_ranks, cls, p)
-                      for p in C6.PLAN[2] if p != "oracle" and _runs(label, p)})
-    return C6.H.run_all(parts, {}, {2: list(parts)}, C6.TIMEOUT_S, C6.HANG_HINT, C6.RULES)
+        runs.append({f"{label}|{p}": functools.partial(_on_ranks, cls, p)
+                     for p in C6.PLAN[2] if p != "oracle" and _runs(label, p)})
+    results = {}
+    for parts in runs:
+        results.update(C6.H.run_all(parts, {}, {2: list(parts)}, C6.TIMEOUT_S, C6.HANG_HINT, C6.RULES))
+    return results
 
 
 # the reduce order is the plain solution's but for the solution that changes only it, which

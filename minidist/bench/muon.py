@@ -111,7 +111,7 @@ def _train(argv: list[str], out_dir: Path) -> list[dict]:
 
 def _train_curves(quick: bool, out: Path) -> dict:
     """Muon vs AdamW, each at three learning rates, same model, data and steps."""
-    steps, evals = (12, 4) if quick else (300, 20)
+    steps, evals = (4, 2) if quick else (300, 20)  # --quick: two points of each curve
     common = ["--device", "cpu", "--steps", str(steps), "--eval-interval", str(evals),
               "--log-interval", str(evals), "--sample-tokens", "0", "--warmup-steps", "2" if quick else "20"]
     windows = ["--eval-windows", "16" if quick else "256", "--final-eval-windows", "16" if quick else "256"]
