@@ -101,9 +101,10 @@ def _run_part(part, fns: dict, r: int, n: int, timeout_s: float, hang_hint: str,
 def _worker(fns: dict, parts: list, timeout_s: float, hang_hint: str, progress: str,
             rules=None) -> dict:
     """Run `parts` [(name, function)] in order on this rank; return {name: [outcome of
-    each rank]}. After each part rank 0 writes what is done so far to the file `progress`:
-    when a part hangs or a rank dies, launch raises and returns nothing, and the parent
-    learns from the file which parts finished."""
+    each rank]}. After each part rank 0 appends its outcome to the file `progress` (one
+    record a part, so the cost grows with the parts, not their square): when a part hangs or
+    a rank dies, launch raises and returns nothing, and the parent learns from the file
+    which parts finished."""
     r, n = dist.get_rank(), dist.get_world_size()
     done = {}
     for name, part in parts:
@@ -119,7 +120,8 @@ def _worker(fns: dict, parts: list, timeout_s: float, hang_hint: str, progress: 
         dist.all_gather_object(gathered, outcome)
         done[name] = gathered
         if r == 0:
-            _write(progress, done)
+            with open(progress, "ab") as f:
+                pickle.dump((name, gathered), f)
     return done
 
 
@@ -204,11 +206,18 @@ def run_all(parts: dict, fns: dict, world_sizes, timeout_s: float, hang_hint: st
 
 
 def _load(progress: str) -> dict:
+    """The parts `progress` records as finished (a record cut short by a kill is not one)."""
+    done = {}
     try:
         with open(progress, "rb") as f:
-            return pickle.load(f)
+            while True:
+                name, gathered = pickle.load(f)
+                done[name] = gathered
     except FileNotFoundError:  # no part finished
-        return {}
+        pass
+    except (EOFError, pickle.UnpicklingError):  # the end, or a record cut short
+        pass
+    return done
 
 
 class Cache:
