@@ -1,30 +1,34 @@
 """Exercise 01 (warm-up): count what a GPT costs, before spending any of it.
 
-Chapter 01 (chapters/01_gpt.md) builds the GPT of minidist/model.py and measures its
-training speed as MFU. Every later chapter reasons with the three numbers below: how many
-parameters a model has (memory, chapter 06), how many FLOPs a token costs (time, chapter
-08), and what fraction of the hardware a run uses (MFU, every log line).
+Goal: three numbers that every later chapter reasons with, from a GPTConfig alone: how
+many parameters minidist's GPT has (memory), how many FLOPs training costs per token
+(time), and what fraction of the hardware a run uses (MFU).
 
-Implement the three functions, replacing each `raise NotImplementedError(...)`:
+Read chapters/01_gpt.md, section 1 "The model" (the parameters), section 3 "Where the
+FLOPs go" and section 5 "MFU: how busy is the hardware?".
 
-- count_params(cfg):           distinct parameters of `minidist.model.GPT(cfg)`
+Write, replacing each `raise NotImplementedError(...)`:
+
+- count_params(cfg):           distinct parameters of minidist.model.GPT(cfg)
 - flops_per_token(cfg, T):     training FLOPs per token at sequence length T
 - mfu(fpt, tokens_per_s, ...): model FLOPs utilisation
 
-Rule, enforced in every check (a check that breaks it scores 0): work from the config
-alone, build no model (minidist.model.GPT trips while your code runs; the grader builds
-the models and checks your formula against them, up to GPT-2 XL's 1.5 billion
-parameters).
+What is graded:
 
-Grade your work with
+- count_params equals the distinct parameters of GPT(cfg) for small configs, bias on and off
+- count_params equals them for every preset in minidist.model.PRESETS, up to billions
+- flops_per_token equals 6*N + 12*L*T*d, N counted on the built model
+- flops_per_token is within 3% of the FLOPs torch counts in a forward and backward
+- mfu is achieved over peak FLOP/s of all devices, and None when the peak is unknown
 
-    python -m exercises.grade 01
+Rules: from the config alone: build no model (minidist.model.GPT), call none of minidist's
+counts (model.config_num_params, model.flops_per_token, metrics.mfu) (see the README,
+"Exercises and grading").
 
-(about 4 s of CPU time, in this one process: it builds models up to GPT-2 XL's size on
-the meta device and counts one small model's FLOPs), and see what full marks look like with `python -m exercises.grade 01 --reference`,
-which grades minidist's own implementations (named in REFERENCE below) instead of yours.
-Ask for a hint on the first failing check with `python -m exercises.grade 01 --hint`
-(again for the next one; `--hint K` for the K-th).
+Grade your work with `python -m exercises.grade 01` (a few seconds), ask for a hint on
+the first failing check with `python -m exercises.grade 01 --hint` (again for the next,
+`--hint K` for the K-th), and see full marks with `python -m exercises.grade 01 --reference`,
+which grades minidist's implementations (named in REFERENCE below) instead of yours.
 """
 
 from __future__ import annotations
@@ -33,35 +37,24 @@ from minidist.model import GPTConfig
 
 
 def count_params(cfg: GPTConfig) -> int:
-    """Number of distinct parameters of `GPT(cfg)` (minidist/model.py), each counted once
-    (a tied parameter is one parameter), with cfg.bias on or off. The grader compares
-    with the models it builds, small ones and GPT-2's presets."""
-    raise NotImplementedError(
-        "count_params is not written yet (`python -m exercises.grade 01 --hint` gives a hint)")
+    """Number of distinct parameters of GPT(cfg) (minidist/model.py), each counted once
+    (a tied parameter is one parameter), with cfg.bias on or off."""
+    raise NotImplementedError("count_params is not written yet")
 
 
 def flops_per_token(cfg: GPTConfig, seq_len: int) -> int:
-    """Training FLOPs (forward + backward) per token, the PaLM-paper estimate.
-
+    """Training FLOPs (forward + backward) per token, the PaLM paper's estimate
     6 * N + 12 * n_layer * seq_len * n_embd, where N is the parameter count without the
-    position table (a lookup does no arithmetic). T is `seq_len`, not cfg.block_size: a
-    model can train on shorter sequences. Chapter 01, section 3, derives it; the grader also
-    compares with FLOPs counted on a real forward and backward.
-    """
-    raise NotImplementedError(
-        "flops_per_token is not written yet (`python -m exercises.grade 01 --hint` gives a hint)")
+    position table. seq_len, not cfg.block_size: a model can train on shorter sequences."""
+    raise NotImplementedError("flops_per_token is not written yet")
 
 
 def mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float | None,
         n_devices: int = 1) -> float | None:
     """Model FLOPs utilisation: the fraction of the hardware's peak the model uses.
-
     `tokens_per_s` is the throughput of the whole run (all devices together),
-    `peak_flops` the peak FLOP/s of one device (chapter 01, section 5). Return None when
-    the peak is unknown (None or 0): an MFU against a made-up peak would mislead.
-    """
-    raise NotImplementedError(
-        "mfu is not written yet (`python -m exercises.grade 01 --hint` gives a hint)")
+    `peak_flops` the peak FLOP/s of one device. None when the peak is unknown (None or 0)."""
+    raise NotImplementedError("mfu is not written yet")
 
 
 # Where minidist implements each function; `python -m exercises.grade 01 --reference`

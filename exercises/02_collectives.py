@@ -1,58 +1,47 @@
 """Exercise 02: build all-reduce from point-to-point messages, as a ring.
 
-Goal. All-reduce leaves on every rank the sum of a tensor over all ranks (data
-parallelism sums gradients with it). Build it from nothing but send and receive, as the
-ring of chapter 02 (chapters/02_collectives.md, section 4 "The ring, step by step"; the
-deadlock is section 2): ring_reduce_scatter, then ring_all_gather, then all_reduce made
-of the two.
+Goal: all-reduce leaves on every rank the sum of a tensor over all ranks (data
+parallelism sums gradients with it). Build it from sends and receives alone: N ranks
+stand in a circle, rank r sends only to its right neighbour (r+1) % N and receives only
+from its left neighbour (r-1) % N. The data is cut into N chunks; after the
+reduce-scatter rank r holds chunk r summed over all ranks, after the all-gather every
+rank holds every summed chunk, and each rank has sent 2(N-1)/N times the tensor's size.
 
-The ring. N ranks stand in a circle: rank r sends only to its right neighbour (r+1) % N
-and receives only from its left neighbour (r-1) % N. The data is cut into N chunks; after
-the reduce-scatter rank r holds chunk r summed over all ranks, after the all-gather every
-rank holds every summed chunk. Each rank sends 2(N-1)/N times the tensor's size S,
-however many ranks there are.
+Read chapters/02_collectives.md, section 4 "The ring, step by step" (and section 2
+"Point-to-point: send, receive, and the deadlock").
 
-What the grader checks (2 and 3 ranks; chunk sizes 1 element, not divisible by N,
-uneven, empty chunks; float32 and bfloat16):
-- ring_reduce_scatter: rank r's chunks[r], the same tensor object, holds the sum over
-  ranks (within 2N roundings of the dtype).
-- ring_all_gather: every rank's chunks[i] equals rank i's chunks[i], bit for bit.
-- all_reduce: the sum, in `tensor` itself, float32 and bfloat16, any shape.
-- the ring: each rank sends 2(N-1)/N * S bytes (counted per destination), in a run whose
-  sum is checked too.
-- the data travels in the messages: every chunk a rank ends with arrived from its left
-  neighbour, bit for bit (the chunk it finishes itself: its own values plus what
-  arrived). The grader records every message where every torch.distributed call ends,
-  below its Python, with its peer, its bytes and what it carried.
+Write, replacing each `raise NotImplementedError(...)`:
 
-Rules (enforced in every graded part: ring_reduce_scatter, ring_all_gather and
-all_reduce alike; a part that breaks one scores 0, the message naming what was seen):
-- Move data only with torch.distributed.isend, irecv, send and recv. No dist.all_reduce,
-  all_gather, broadcast, reduce_scatter, all_to_all, ... nor their functional versions or
-  torch's operators under them.
-- The ring's direction: in every part a rank sends only to its right neighbour (r+1) % N
-  and receives only from its left neighbour (r-1) % N (no receive from any source).
-  Each byte the ring needs and no more.
-- No other way of moving data: no process group of your own, no group's backend object
-  called directly, no rendezvous store.
-- Don't deadlock: a rank still busy after 20 seconds is stopped, and the part fails.
-- Any number of ranks and any size, down to one element.
+- ring_reduce_scatter(chunks): rank r's chunks[r] ends as the sum over ranks, in place
+- ring_all_gather(chunks):     every rank's chunks[i] ends as rank i's chunks[i]
+- all_reduce(tensor):          the sum over ranks, in `tensor` itself, made of the two
 
-Grade your work with `python -m exercises.grade 02` (about 5 s on a quiet 2-core
-machine: it starts 2 and 3 processes), ask for a hint on the first failing check with
-`python -m exercises.grade 02 --hint` (again for the next one, `--hint K` for the K-th),
-and see what full marks look like with `python -m exercises.grade 02 --reference`.
+What is graded (on 2 and 3 ranks; chunks of 1 element, uneven, empty; against torch's
+all_reduce and all_gather on the same data):
 
-To experiment, run a function of your own on several processes with
-`minidist.launch.launch(fn, 3, *args)`: it returns each rank's return value and re-raises
-a rank's exception here, with "[rank r of 3]" in front. (In a script, call it under
-`if __name__ == "__main__":`: each new process imports the script again.)
+- ring_reduce_scatter: chunks[r], the same tensor, holds the sum (within 2N roundings)
+- ring_all_gather: every chunks[i] equals rank i's, bit for bit
+- all_reduce in float32: the sum, in `tensor`, from 1 to 4099 elements and 2-D
+- all_reduce in bfloat16: the sum within 2N roundings of bfloat16
+- the direction: every send goes to (r+1) % N, every receive comes from (r-1) % N
+- the ring: each rank sends 2(N-1)/N * S bytes in an all_reduce of S bytes
+- a ring that deadlocks fails its checks after 20 seconds
+
+Rules: only dist.isend, irecv, send and recv move data, and minidist.comm's all_reduce,
+all_reduce_pipelined and ring halves are not called (see the README, "Exercises and grading").
+
+Grade your work with `python -m exercises.grade 02` (a few seconds: it starts 2 and 3
+processes), ask for a hint with `python -m exercises.grade 02 --hint` (again for the
+next, `--hint K` for the K-th), and see full marks with
+`python -m exercises.grade 02 --reference`. To experiment, run a function of your own on
+several processes with `minidist.launch.launch(fn, 3, *args)` (in a script, under
+`if __name__ == "__main__":`).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist  # noqa: F401 - for you: get_rank, isend, irecv, ...
+import torch.distributed as dist  # noqa: F401 - get_rank, get_world_size, isend, irecv, ...
 
 
 def ring_reduce_scatter(chunks: list[torch.Tensor]) -> None:
@@ -64,8 +53,7 @@ def ring_reduce_scatter(chunks: list[torch.Tensor]) -> None:
     hold afterwards is up to you (partial sums, typically): they are scratch space.
     Update chunks[r] in place (add into it, copy into it); don't replace it in the list.
     """
-    raise NotImplementedError(
-        "ring_reduce_scatter is not written yet (`python -m exercises.grade 02 --hint` gives a hint)")
+    raise NotImplementedError("ring_reduce_scatter is not written yet")
 
 
 def ring_all_gather(chunks: list[torch.Tensor]) -> None:
@@ -75,8 +63,7 @@ def ring_all_gather(chunks: list[torch.Tensor]) -> None:
     anything. Afterwards every rank's chunks[i] equals rank i's chunks[i], for every i.
     Receive into the tensors of the list, in place.
     """
-    raise NotImplementedError(
-        "ring_all_gather is not written yet (`python -m exercises.grade 02 --hint` gives a hint)")
+    raise NotImplementedError("ring_all_gather is not written yet")
 
 
 @torch.no_grad()
@@ -87,16 +74,14 @@ def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     elements; the chunks are the flattened tensor cut by torch.tensor_split into N
     (sizes differ by at most one). On one rank there is nothing to do.
     """
-    raise NotImplementedError(
-        "all_reduce is not written yet (`python -m exercises.grade 02 --hint` gives a hint)")
+    raise NotImplementedError("all_reduce is not written yet")
 
 
 # Where minidist implements each function; `python -m exercises.grade 02 --reference`
-# grades these instead of the stubs above. Leave it as it is. minidist's two ring halves
-# take an extra argument (a name for its byte counters and error messages), so the
-# grader's module holds one-line adapters with the signatures above.
+# grades these instead of the stubs above. Leave it as it is. (minidist's two ring halves
+# take a name as well; the grader's adapters have the signatures above.)
 REFERENCE = {
-    "ring_reduce_scatter": "exercises.checks_02:reference_ring_reduce_scatter",
-    "ring_all_gather": "exercises.checks_02:reference_ring_all_gather",
+    "ring_reduce_scatter": "exercises.grader.checks_02:reference_ring_reduce_scatter",
+    "ring_all_gather": "exercises.grader.checks_02:reference_ring_all_gather",
     "all_reduce": "minidist.comm:all_reduce",
 }

@@ -1,66 +1,51 @@
 """Exercise 03: data parallelism, with gradients all-reduced in buckets while backward runs.
 
-Goal. Every rank holds the whole model and runs forward and backward on its own slice of
-the batch; the gradients are averaged over ranks so that every rank takes the step one
+Goal: every rank holds the whole model and runs forward and backward on its own slice of
+the batch; the gradients are averaged over ranks, so every rank takes the step one
 process would take on the whole batch. Build the fast version, the way torch's
-DistributedDataParallel does it: gradients go into a few large buckets, and a bucket's
+DistributedDataParallel does: gradients go into a few large buckets, and a bucket's
 all-reduce starts while backward is still computing the gradients of earlier layers.
-Chapter 03 (chapters/03_data_parallel.md), section 4 "Bucketed and overlapped" explains
-buckets, the hooks and the end-of-backward callback; section 2 why averaging is enough.
 
-Implement make_buckets(module, bucket_cap_mb), BucketedDDP(module, bucket_cap_mb) (used
-like torch's DDP: `loss = ddp(x, y); loss.backward()` leaves the average over ranks of
-every gradient in p.grad), and fix bucket_by_dtype (find the bug, below).
+Read chapters/03_data_parallel.md, section 4 "Bucketed and overlapped: `minidist.ddp.DDP`"
+(buckets, the hooks, the end-of-backward callback) and section 1 "Why averaging gradients
+is enough".
 
-What the grader checks (2 and 3 ranks; a model with a tied embedding/head weight, a
-frozen layer and a buffer; a model whose forward uses its layers in another order than
-it registers them; SGD with momentum, float32):
-- make_buckets: trainable parameters (a tied weight counted once) in reverse
-  registration order, a new bucket when the next parameter would take the current one
-  over bucket_cap_mb MiB (2**20 bytes); at least one parameter per bucket; cap 0: one
-  per parameter, None: one bucket.
-- construction copies rank 0's parameters and buffers to every rank.
-- after each backward p.grad is the whole batch's gradient (== one process, to rounding),
-  with several buckets, one bucket and one per parameter, and so are the SGD steps.
-- overlap: at least one asynchronous all-reduce starts before backward's last gradient.
-- one all-reduce per bucket per backward, of its flat buffer, launched in bucket index
-  order even when backward fills the buckets in another order; and each all-reduce carries
-  its bucket's gradients (the grader records every all-reduce below torch.distributed's
-  Python, with a copy of what its buffer held when it started: this rank's gradients of
-  the bucket's parameters, in any order within the buffer, as they are or already divided
-  by the world size).
+Write, replacing each `raise NotImplementedError(...)`:
 
-Rules (enforced in every graded part; a part that breaks one scores 0):
-- Move data with dist.broadcast (construction) and dist.all_reduce (buckets) only: no
-  other collective, no torch.nn.parallel.DistributedDataParallel (nor FSDP) anywhere in
-  what you build, and no other way of moving data (a process group of your own, a
-  group's backend object, the rendezvous store).
-- One hook per trainable parameter (p.register_post_accumulate_grad_hook); the wait for
-  the buckets happens at the end of backward, before loss.backward() returns.
-- Every rank issues the same all-reduces in the same order: ranks pair collectives by
-  the order they are issued, not by what they hold.
+- make_buckets(module, bucket_cap_mb):  the trainable parameters, grouped into buckets
+- BucketedDDP(module, bucket_cap_mb):   used like torch's DDP: `ddp(x, y).backward()`
+  leaves in every p.grad the average over ranks (__init__, _grad_ready, _end_of_backward)
+- bucket_by_dtype: find the bug (below)
 
-Find the bug. bucket_by_dtype below is how a real framework grouped gradients by dtype
-(one flat buffer holds one dtype); a job using it hung, or trained on garbage, on some
-runs and not others. Fix it so that it gives the same buckets on every rank, every run:
-per dtype in order of first appearance, each dtype's parameters bucketed as make_buckets
-does.
+What is graded (2 and 3 ranks; a model with a tied weight, a frozen layer and a buffer):
 
-Grade your work with `python -m exercises.grade 03` (about 10 s on a quiet 2-core
-machine: it starts 2 and 3 processes), ask for a hint on the first failing check with
-`python -m exercises.grade 03 --hint` (again for the next one, `--hint K` for the K-th),
-and see what full marks look like with `python -m exercises.grade 03 --reference`. A
-rank that waits more than 20 seconds for the others (a hang) fails its check.
+- make_buckets: trainable parameters, each once, in reverse registration order, a new
+  bucket when the next would take it over bucket_cap_mb MiB; cap 0: one each, None: one
+- construction copies rank 0's parameters and buffers to every rank
+- after each backward p.grad == one process's on the whole batch, and so are SGD steps,
+  with several buckets, one bucket, and one per parameter
+- overlap: asynchronous all-reduces start from the hooks, before backward's last
+  gradient, and nothing waits for them before that gradient
+- one all-reduce per bucket per backward, of its flat buffer, in bucket index order
+- launch order: bucket index order on every rank, the same all-reduces on every rank,
+  even when backward fills the buckets out of order
+- find the bug: bucket_by_dtype gives the same buckets on every rank, every run
 
-To experiment, run a function of your own on several processes with
-`minidist.launch.launch(fn, 2, *args)`: it returns each rank's return value and re-raises
-a rank's exception here, with "[rank r of 2]" in front.
+Rules: move data with dist.broadcast and dist.all_reduce only; no torch DistributedDataParallel,
+FSDP or fully_shard, and not minidist.ddp's DDP or make_buckets (see the README, "Exercises and grading").
+
+Find the bug: bucket_by_dtype groups the trainable parameters by dtype (a flat buffer holds
+one dtype); a job using it hung, or trained on garbage, on some runs and not others.
+
+Grade your work with `python -m exercises.grade 03` (it starts 2 and 3 processes), ask for
+a hint on the first failing check with `python -m exercises.grade 03 --hint` (`--hint K`
+for the K-th), and see full marks with `python -m exercises.grade 03 --reference`.
 """
 
 from __future__ import annotations
 
-import torch  # noqa: F401 - for you: torch.zeros, torch.no_grad, torch.autograd
-import torch.distributed as dist  # noqa: F401 - for you: broadcast, all_reduce, get_world_size
+import torch
+import torch.distributed as dist  # noqa: F401
 import torch.nn as nn
 
 
@@ -72,8 +57,7 @@ def make_buckets(module: nn.Module, bucket_cap_mb: float | None) -> list[list[nn
     (2**20 bytes). A bucket holds at least one parameter: `bucket_cap_mb=0` means one
     bucket per parameter, `None` one bucket for everything.
     """
-    raise NotImplementedError(
-        "make_buckets is not written yet (`python -m exercises.grade 03 --hint` gives a hint)")
+    raise NotImplementedError("make_buckets is not written yet")
 
 
 class BucketedDDP(nn.Module):
@@ -84,21 +68,18 @@ class BucketedDDP(nn.Module):
     def __init__(self, module: nn.Module, bucket_cap_mb: float | None = 25.0):
         super().__init__()
         self.module = module
-        raise NotImplementedError(
-            "BucketedDDP.__init__ is not written yet (`python -m exercises.grade 03 --hint` gives a hint)")
+        raise NotImplementedError("BucketedDDP.__init__ is not written yet")
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     def _grad_ready(self, p: nn.Parameter) -> None:
         """The hook, called once per backward when p.grad is complete."""
-        raise NotImplementedError(
-            "_grad_ready is not written yet (`python -m exercises.grade 03 --hint` gives a hint)")
+        raise NotImplementedError("_grad_ready is not written yet")
 
     def _end_of_backward(self) -> None:
         """Called once when the whole backward is done, before loss.backward() returns."""
-        raise NotImplementedError(
-            "_end_of_backward is not written yet (`python -m exercises.grade 03 --hint` gives a hint)")
+        raise NotImplementedError("_end_of_backward is not written yet")
 
 
 def bucket_by_dtype(module: nn.Module, bucket_cap_mb: float | None) -> list[list[nn.Parameter]]:
@@ -129,7 +110,7 @@ def bucket_by_dtype(module: nn.Module, bucket_cap_mb: float | None) -> list[list
 # instead of the stubs above. Leave it as it is. minidist builds its buckets inside DDP,
 # so the grader's module holds a small adapter with make_buckets' signature.
 REFERENCE = {
-    "make_buckets": "exercises.checks_03:reference_make_buckets",
+    "make_buckets": "exercises.grader.checks_03:reference_make_buckets",
     "BucketedDDP": "minidist.ddp:DDP",
-    "bucket_by_dtype": "exercises.checks_03:reference_bucket_by_dtype",
+    "bucket_by_dtype": "exercises.grader.checks_03:reference_bucket_by_dtype",
 }

@@ -1,56 +1,46 @@
 """Exercise 04: gradient accumulation, with every token weighing the same.
 
-Chapter 04 (chapters/04_grad_accum.md) trains on a batch larger than fits in memory:
-each rank runs forward and backward on several micro-batches one after another and lets
-the gradients add up in p.grad, then takes one optimizer step. Done right, the step is
-the one a single process would take on the whole global batch (all micro-batches of all
-ranks). Two things make that so, and both are easy to get wrong:
+Goal: train on a batch larger than fits in memory. Each rank runs forward and backward on
+several micro-batches one after another, letting the gradients add up in p.grad, before
+one optimizer step. Done right, that step is the one a single process would take on the
+whole global batch (all micro-batches of all ranks): the loss is a mean over target
+tokens, targets of -1 are masked and do not count, so micro-batches and ranks hold
+different numbers of tokens; and under DDP only the last micro-step communicates.
 
-1. Every unmasked token of the global batch weighs the same. The loss is a mean over
-   target tokens, and targets of -1 are masked (padding, the end of a document) and do
-   not count, so micro-batches, and ranks, hold different numbers of tokens.
-2. Under DDP, gradient communication belongs to the last micro-step only: the backward
-   of every earlier micro-step all-reduces nothing.
+Read chapters/04_grad_accum.md, section 2 "k micro-steps × R ranks = one batch R·k times
+larger", section 3 "no_sync: communicate once per step" and section 4 "Normalising the
+loss by tokens".
 
-Chapter 04 explains both: section 4 (normalising the loss by tokens) and section 3
-(no_sync).
+Write, replacing the `raise NotImplementedError(...)`:
 
-Implement accumulate() below, replacing the `raise NotImplementedError(...)`.
+- accumulate(model, micro_batches, world_size, ddp): the forward and backward passes of
+  one step over this rank's micro-batches; returns the global batch's mean loss
 
-Rules:
-- The model is minidist.model.GPT (or a wrapper of it): `model(x, y, reduction="sum")`
-  returns (logits, summed loss over the unmasked targets of the micro-batch).
-- `ddp` is minidist.ddp.DDP (the grader's, not exercise 03's) or None. With None, the
-  caller averages the gradients over ranks afterwards (for instance with
-  minidist.ddp.allreduce_gradients_flat): prepare them exactly as for DDP.
-- Communicate only with dist.all_reduce, and never gradients yourself: they are the
-  DDP's (or the caller's) business. No torch.nn.parallel.DistributedDataParallel, and no
-  other way of moving data (a process group of your own, a group's backend object, the
-  rendezvous store). The grader records every all-reduce below torch.distributed's
-  Python, with what it carried and which micro-step it fell in: a check that sees
-  another collective, or torch's DDP, scores 0, and the global token count and loss must
-  be among the sums of what your all-reduces carried (what every rank put in, added up).
+`model` is minidist.model.GPT or a wrapper of it: `model(x, y, reduction="sum")` returns
+(logits, the summed loss over the unmasked targets). `ddp` is minidist.ddp.DDP (the
+grader's) or None; with None the caller averages the gradients over ranks afterwards.
 
-The grader checks, against one process computing the loss of the whole global batch in
-one go (`model(x, y)`, the mean over its unmasked targets): 1 rank with 3 micro-batches,
-2 ranks with 2 micro-steps each, under DDP and without; micro-batches and ranks with
-very different numbers of unmasked targets; float32, equal up to rounding. Grade your
-work with
+What is graded (against one process computing `model(x, y)` on the whole global batch;
+micro-batches of very unequal token counts; float32, equal up to rounding):
 
-    python -m exercises.grade 04
+- 1 rank, 3 micro-batches: the gradient equals the whole batch's
+- 2 ranks x 2 micro-steps under DDP: the gradient equals the whole batch's
+- 2 ranks x 2 micro-steps with ddp=None, averaged afterwards: the same
+- the returned loss is the global batch's mean per unmasked target, on every rank
+- under DDP the buckets are all-reduced once, in the last micro-step, none before
 
-(about 5 s on a quiet 2-core machine: it starts 1 and 2 processes), and see what full
-marks look like with `python -m exercises.grade 04 --reference`, which grades minidist's
-own implementation (named in REFERENCE below) instead of yours. Ask for a hint on the first failing check with
-`python -m exercises.grade 04 --hint` (again for the next one; `--hint K` for the K-th).
+Rules: communicate only with dist.all_reduce; no torch DistributedDataParallel, and not
+minidist.train.forward_backward (see the README, "Exercises and grading").
+
+Grade your work with `python -m exercises.grade 04` (it starts 1 and 2 processes), ask
+for a hint on the first failing check with `python -m exercises.grade 04 --hint`
+(`--hint K` for the K-th), and see full marks with `python -m exercises.grade 04 --reference`.
 """
 
 from __future__ import annotations
 
-import contextlib  # noqa: F401 - for you: contextlib.nullcontext()
-
 import torch
-import torch.distributed as dist  # noqa: F401 - for you: all_reduce
+import torch.distributed as dist  # noqa: F401
 
 
 def accumulate(model, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], world_size: int,
@@ -67,8 +57,7 @@ def accumulate(model, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], wo
     Return the global batch's mean loss per unmasked target, a Python float, the same on
     every rank: the sum of every rank's summed losses, divided by N.
     """
-    raise NotImplementedError(
-        "accumulate is not written yet (`python -m exercises.grade 04 --hint` gives a hint)")
+    raise NotImplementedError("accumulate is not written yet")
 
 
 # Where minidist implements it; `python -m exercises.grade 04 --reference` grades it

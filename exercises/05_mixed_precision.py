@@ -1,102 +1,49 @@
 """Exercise 05: a dynamic loss scaler, GradScaler's rules plus hysteresis, for many ranks.
 
-Chapter 05 (chapters/05_mixed_precision.md) trains in fp16, whose 5 exponent bits stop
-at 65504 at the top and 2**-24 at the bottom. A language model's gradients are mostly
-tiny, so in an fp16 backward many of them round to zero. The cure is to multiply the loss
-by a large factor S before backward: the chain rule is linear, so every gradient comes
-out S times larger, lifted into fp16's range. Before the optimizer sees them, the fp32
-gradients are divided by S again ("unscaled"). Too large an S and some gradient
-overflows to inf (or becomes NaN): that step is skipped and S is lowered. Too small and
-underflow returns, so S is raised again after a run of clean steps. Nobody picks S by
-hand: the scaler keeps it as large as it can be without overflowing, all run long.
+fp16 stops at 2**-24 at the bottom, and a language model's gradients are mostly tiny: in
+an fp16 backward many round to zero. The cure: multiply the loss by a large S before
+backward (every gradient comes out S times larger), divide the gradients by S before the
+optimizer sees them, skip a step whose gradients overflowed (inf, -inf or NaN) and lower S,
+raise S again after a run of clean steps. Read chapters/05_mixed_precision.md, section 4
+"Dynamic loss scaling: `minidist.scaler.LossScaler`" (and section 3 for why).
 
 A training step with it (the calls of torch.amp.GradScaler, which it mirrors):
 
     scaler.scale(loss).backward()   # gradients are S times too large
-    scaler.unscale_(opt)            # divide them by S, look for inf/NaN (optional here:
-    clip_grad_norm_(...)            #   step() does it if you did not; clipping needs it)
+    scaler.unscale_(opt)            # divide them by S, find inf/NaN (optional: step() does it)
     scaler.step(opt)                # opt.step(), unless some gradient was not finite
     scaler.update()                 # back off or grow S for the next step
 
-Implement LossScaler below, replacing each `raise NotImplementedError(...)`. Chapter 05,
-sections 3 and 4, explains the rules.
+Write LossScaler (its docstring states the rules) and fix unscale_shards (find the bug).
 
-The contract (the grader checks each):
-- scale(loss) returns loss * S, a tensor backward can run on. get_scale() returns S, a
-  Python float.
-- unscale_(optimizer) divides in place every gradient the optimizer holds (p.grad of each
-  p in optimizer.param_groups[i]["params"], skipping those whose grad is None) by S, and
-  records this step's verdict: did any gradient hold inf, -inf or NaN? At most once per
-  step: a second call before update() raises RuntimeError and divides nothing (as
-  GradScaler does).
-- Ranks agree. Under data parallelism one rank may overflow while the others do not, and
-  with sharded gradients (chapter 06) the others cannot even see it: if ranks decided
-  alone, some would step and some would not, and their parameters would drift apart.
-  When a process group of more than one rank exists (dist.is_initialized() and
-  dist.get_world_size() > 1), every rank reaches the same verdict, and every rank
-  issues the same collectives every step, overflow or not: ranks pair their collectives
-  by order, and a rank that skips one hangs the others. The verdict travels in those
-  collectives: the grader records them below torch.distributed's Python, and a rank
-  whose gradients overflowed must put something different into them than at a clean
-  step (no other way of moving data: no process group of your own, no backend object,
-  no store). Without a process group (the grader's single-process checks) call no
-  collective at all.
-- step(optimizer) calls unscale_ first when it was not called this step, then
-  optimizer.step() only if the verdict is clean. A skipped step leaves the optimizer
-  alone: no optimizer.step() call, parameters and momentum untouched.
-- update() moves S for the next step, by GradScaler's rule plus hysteresis:
-  * Overflow: once `hysteresis` consecutive steps have overflowed, S =
-    max(S * backoff_factor, min_scale), at this overflow and at every further one of
-    the same streak; an overflow also restarts the count of clean steps. With
-    hysteresis=1 every overflow backs off (GradScaler's rule); with hysteresis=2 a lone
-    overflow is skipped but does not lower S (DeepSpeed's hysteresis, with
-    consecutive_hysteresis=True).
-  * An overflow that would back off while S is already at min_scale raises
-    FloatingPointError: gradients that overflow at the smallest allowed scale are not an
-    underflow problem, the run is diverging. Say so in the message, and what to try
-    (a lower learning rate, gradient clipping, bf16). minidist.scaler.ScaleCollapseError
-    is such an error; raise it or a FloatingPointError of your own.
-  * No verdict: update() with no unscale_() or step() since the last update() raises
-    (GradScaler raises; RuntimeError or AssertionError) and changes nothing.
-  * Clean step: it ends any overflow streak. After growth_interval clean steps in a row
-    (counted since the last overflow or growth), S = S * growth_factor. As in
-    GradScaler, whose S is a float32 tensor, refuse a growth that would take S above
-    torch.finfo(torch.float32).max (the loss is fp32: it could not hold a larger S).
-- state_dict() returns a dict of plain numbers (what torch.save keeps in a checkpoint)
-  with whatever the scaler needs to go on exactly where it stopped; load_state_dict(state)
-  restores it into a scaler made with the same arguments (except, possibly, init_scale).
-- One optimizer per step is all the grader uses (an optimizer is anything with
-  param_groups and step(): torch.optim's, or the grader's own small SGD).
+What is graded (the oracle: torch.amp.GradScaler("cpu"), run by the grader on the same
+gradients, with inf, -inf and NaN injected; every factor a power of two, so all is exact):
+- scale() and unscale_(): loss * S, the gradients divided by S once per step
+- hysteresis=1, random inf, -inf and NaN: the same S, skipped steps and parameters as
+  GradScaler (a skipped step leaves the optimizer alone)
+- growth stops at float32's maximum, as GradScaler's
+- hysteresis 2 and 3: back off once consecutive overflows reach it; every overflow skips
+- misuse refused as GradScaler does: a second unscale_() in a step, update() without a verdict
+- min_scale: S stops there; an overflow there raises an error saying what to try
+- state_dict through torch.save: a new scaler goes on exactly where it stopped
+- 2 ranks, inf/NaN on one rank only: every rank skips and backs off alike
+- find the bug: unscale_shards gives every rank the same verdict (sharded gradients)
 
-The grader runs your scaler and torch.amp.GradScaler("cpu", ...) side by side (the
-oracle) on random patterns of injected inf, -inf and NaN gradients, hysteresis=1, a few
-hundred steps: the same S after every step, the same steps skipped, the same unscaled
-gradients and parameters. It checks growth stopping at float32's maximum, hysteresis 2
-and 3 against the rule above, min_scale, a state_dict round trip through torch.save,
-and, on 2 ranks, that both skip when only one of them overflows. Every factor is a power
-of two, so every comparison is exact.
+Rule: no GradScaler of torch.amp, torch.cuda.amp, torch.cpu.amp (see the README, "Exercises and grading").
 
-Rule enforced in every check (a check that breaks it scores 0): no torch.amp.GradScaler
-(nor torch.cuda.amp's) in what you write; it is the grader's oracle.
-
-Find the bug: unscale_shards, at the end of the file, is shipped code with a bug; fix it.
-
-Grade your work with `python -m exercises.grade 05` (about 5 s on a quiet 2-core
-machine: it starts 2 processes once), ask for a hint on the first failing check with
-`python -m exercises.grade 05 --hint` (again for the next one, `--hint K` for the K-th),
-and see what full marks look like with `python -m exercises.grade 05 --reference`. To experiment, compare with GradScaler:
-`torch.amp.GradScaler("cpu", init_scale=..., growth_interval=...)` takes the same calls
-(call its scale() once before its first unscale_, which sets it up).
+Grade your work with `python -m exercises.grade 05` (about 5 s; it starts 2 processes), ask
+for a hint on the first failing check with `python -m exercises.grade 05 --hint`, and see
+what full marks look like with `python -m exercises.grade 05 --reference`.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist  # noqa: F401 - for you: is_initialized, all_reduce, ReduceOp
+import torch.distributed as dist  # noqa: F401
 
 
 class LossScaler:
-    """Dynamic loss scaler: see the rules above.
+    """Dynamic loss scaler.
 
     init_scale:      the first S (2**16, as GradScaler)
     growth_factor:   S is multiplied by this after `growth_interval` consecutive clean steps
@@ -104,7 +51,33 @@ class LossScaler:
     hysteresis:      consecutive overflows before backing off (1: every overflow)
     min_scale:       S never goes below this; an overflow that would back off there raises
 
-    (minidist's LossScaler takes two more arguments, enabled and group; not needed here.)
+    The rules:
+    - scale(loss) returns loss * S, a tensor backward can run on; get_scale() S, a float.
+    - unscale_(optimizer) divides in place every p.grad of the optimizer's param_groups
+      (skipping None) by S and records this step's verdict: did any gradient hold inf,
+      -inf or NaN? A second call before update() raises RuntimeError and divides nothing.
+    - Ranks agree: with a process group of more than one rank (dist.is_initialized() and
+      dist.get_world_size() > 1) every rank reaches the same verdict, and every rank issues
+      the same collectives every step, overflow or not (a rank that skips one hangs the
+      others). Without a process group call no collective at all.
+    - step(optimizer) calls unscale_ first if it was not called this step, then
+      optimizer.step() only on a clean verdict; a skipped step leaves the optimizer alone.
+    - update() moves S for the next step:
+      * overflow: once `hysteresis` consecutive steps have overflowed, S = max(S *
+        backoff_factor, min_scale), at this overflow and every further one of the streak;
+        an overflow also restarts the count of clean steps. An overflow that would back off
+        with S already at min_scale raises FloatingPointError (minidist.scaler's
+        ScaleCollapseError is one), saying the run diverges and what to try (a lower
+        learning rate, gradient clipping, bf16).
+      * clean step: ends any overflow streak; after growth_interval clean steps in a row
+        (since the last overflow or growth) S = S * growth_factor, unless that would take S
+        above torch.finfo(torch.float32).max.
+      * no verdict since the last update() (no unscale_() or step()): raise (RuntimeError
+        or AssertionError, as GradScaler) and change nothing.
+    - state_dict() returns plain numbers with all the scaler needs to go on exactly where
+      it stopped; load_state_dict(state) restores it into a scaler made with the same
+      arguments (except, possibly, init_scale).
+    An optimizer is anything with param_groups and step(); one per step.
     """
 
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
@@ -159,8 +132,8 @@ def unscale_shards(shards: list[torch.Tensor], scale: float) -> bool:
     averaged gradients (`shards`, possibly none). Divide them by `scale` in place and say
     whether this step must be skipped: True when any gradient on any rank is inf, -inf or
     NaN, the same answer on every rank. As shipped, a job using it saw its ranks'
-    parameters drift apart after the first overflow. Fix it (call no collective without
-    a process group of more than one rank)."""
+    parameters drift apart after the first overflow. Fix it (it must still work in one
+    process, with no process group)."""
     found = False
     for g in shards:
         g.div_(scale)
@@ -173,5 +146,5 @@ def unscale_shards(shards: list[torch.Tensor], scale: float) -> bool:
 # instead of the stub above. Leave it as it is.
 REFERENCE = {
     "LossScaler": "minidist.scaler:LossScaler",
-    "unscale_shards": "exercises.checks_05:reference_unscale_shards",
+    "unscale_shards": "exercises.grader.checks_05:reference_unscale_shards",
 }

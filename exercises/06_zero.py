@@ -1,112 +1,41 @@
 """Exercise 06: ZeRO-1 (optimizer state sharded over ranks), then ZeRO-2 (gradients too).
 
-Chapter 06 (chapters/06_zero.md) counts what data parallelism keeps N copies of: for
-each fp32 parameter 4 bytes of weight, 4 of gradient and, with AdamW, 8 of optimizer
-state (two moments). An elementwise optimizer updates each element on its own, so rank
-r only needs the state, and the averaged gradient, of 1/N of the elements:
+Read chapters/06_zero.md, section 2 "Stage 1: the optimizer state" and section 3 "Stage 2:
+the gradients". An elementwise optimizer (AdamW: 8 bytes of state per fp32 element)
+updates each element on its own, so rank r needs the state, and the averaged gradient, of
+only its 1/N of the elements. The layout (the Unit buckets, see ShardedOptimizer's
+docstring) is written for you. Write, replacing each `raise NotImplementedError(...)`:
 
-- ZeRO-1: each rank builds its inner optimizer on its own shard of the parameters,
-  steps that shard only, and the updated shards are all-gathered so every rank holds
-  every parameter again. Optimizer state per rank: 8 bytes x Psi / N instead of 8 Psi.
-- ZeRO-2: each bucket of gradients is reduce-scattered (averaged over ranks, and only
-  this rank's shard kept) as soon as backward has produced it, and the full-size
-  gradients are freed at once. Gradient memory per rank: 4 bytes x Psi / N.
-
-The bytes on the wire stay those of data parallelism: a reduce-scatter plus an
-all-gather move what one all-reduce moves (2 Psi (N-1)/N elements per rank per step).
-
-The layout (written for you, below): the trainable parameters are cut into buckets of
-about `bucket_cap_mb`; each bucket is a minidist.zero.Unit, one flat buffer padded to a
-multiple of N that the parameters of the bucket now live in (each p.data is a view of
-it), of which rank r owns elements [r*S, (r+1)*S), S = padded length / N. A parameter
-may straddle two ranks; an elementwise optimizer does not mind. What a Unit `u` holds:
-
-    u.params       its parameters, sorted by param group (p.data is a view into u.flat)
-    u.flat         the padded flat buffer of parameters (the zeros at its end: padding)
-    u.chunk        S, the elements per rank;  u.lo, u.hi = r*S, (r+1)*S
-    u.shard        u.flat[u.lo:u.hi]: this rank's parameters, a view (writes reach p.data)
-    u.grad_shard   zeros like u.shard: this rank's averaged gradient goes here
-    u.ranges       {param group index: (start, end)}: the slice of u.shard that holds
-                   that group's parameters (padding belongs to no group)
-    u.ready        a counter for you: gradients completed in this backward
-    u.flat_grads() a new padded flat tensor of the local p.grad (zeros where p.grad is None)
-
-Implement, replacing each `raise NotImplementedError(...)`:
-
-  part 1, ZeRO-1: _shard_param_groups, _take_local_gradients, step, zero_grad, _all_gather
+  part 1, ZeRO-1: _shard_param_groups, _take_local_gradients, _all_gather, step, zero_grad
   part 2, ZeRO-2: _reduce_scatter, _on_grad, _reduce, _end_of_backward,
                   finish_gradient_synchronization
+  find the bug:   ShardedGradAccumulator (end of the file): shipped code whose models,
+                  trained with gradient accumulation, learn as if from a fraction of the data
 
-Used like torch.distributed.optim.ZeroRedundancyOptimizer (stage 1: gradients averaged
-beforehand, by DDP), or averaging the gradients itself (reduce_gradients=True, stage=2):
+Used like torch's ZeroRedundancyOptimizer (stage 1, gradients averaged beforehand), or
+averaging the gradients itself (reduce_gradients=True, or stage=2, no DDP):
 
-    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)   # stage 1
-    loss.backward(); allreduce_gradients_flat(model); opt.step(); opt.zero_grad()
-
-    opt = ShardedOptimizer(groups, torch.optim.AdamW, stage=2, lr=1e-3)      # no DDP
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    opt = ShardedOptimizer(groups, torch.optim.AdamW, stage=2, module=model, lr=1e-3)
     loss.backward(); opt.step(); opt.zero_grad()
 
-The contract (what the grader checks):
-- Training equals one process on the whole batch (float32, up to rounding) on 2 and 3
-  ranks, with AdamW and with SGD with momentum, with and without gradient accumulation
-  (no_sync(), written for you), and equals torch's ZeroRedundancyOptimizer at stage 1.
-- param_groups[i] is the i-th group passed in, with its own settings, on every rank,
-  even one that holds no element of it: a scheduler's `g["lr"] = ...` through
-  opt.param_groups reaches the parameters it means (the grader halves the learning
-  rates before the last step).
-- Memory per rank: the optimizer's state only for this rank's shard (AdamW: 8 bytes x
-  padded / N), wherever it is kept; at stage 2 no full-size gradient (nor a copy of one)
-  outlives the reduction of its unit while backward runs, and after backward and after
-  step only the gradient shards remain.
-- Gradients are AVERAGED over ranks (a sum would be N times the gradient of the batch's
-  mean loss); with accumulation the micro-steps' gradients add up; stage 1 reduces
-  after backward (nothing inside no_sync()), stage 2 during backward, every micro-step.
-- The reduce order: every rank issues the same collectives in the same order, so the
-  units' reduce-scatters start in unit index order, unit k only after units 0..k-1,
-  whatever order backward completes them in. Ranks pair collectives by the order they
-  are issued, and autograd promises no order of the gradients (chapter 03, section 4,
-  "launch in bucket order"): at stage 2 a complete unit waits for the ones before it;
-  at stage 1, and for the units left at the end of backward, all in index order. The
-  all-gathers of step, in unit order too. (A rank that waits more than 20 seconds for
-  the others fails the check.)
-- The data travels in those collectives: the grader records every collective and
-  message below torch.distributed's Python, with a copy of what it sends, and each
-  backward's reduce-scatters must carry this rank's own gradients (its units' flat
-  local gradients). No other way of moving data: no process group of your own, no
-  group's backend object called directly, no rendezvous store.
-- collectives="minidist" sends everything through minidist.comm (the ring of chapter
-  02, synchronous, point-to-point messages the grader counts while backward runs and in
-  step): per step one reduce-scatter and one all-gather per unit, the bytes of data
-  parallelism. "torch": torch.distributed's asynchronous collectives, on self.group.
+What is graded (a small GPT with a frozen parameter, a tied embedding and three param
+groups, two steps on 2 and 3 ranks, each rank on its slice of every batch):
+- ZeRO-1 (gradients averaged beforehand): parameters == one process on the whole batch;
+  param_groups[i] is the i-th group passed in, on every rank
+- optimizer state: AdamW's 8 bytes per element of this rank's shard only, wherever kept
+- ZeRO-1 with reduce_gradients=True, and ZeRO-2, with accumulation: == one process
+- ZeRO-2 gradient memory: full gradients freed during backward, only the shards kept
+- bytes: a reduce-scatter of each unit per backward (none inside no_sync() at stage 1) and
+  an all-gather per step; on minidist's ring each sends (N-1)/N of the unit's bytes
+- reduce order: units reduce-scattered in unit index order, whatever order backward ends them
+- find the bug: ShardedGradAccumulator's shard == its slice of the whole batch's gradient
 
-The grader's model has a frozen parameter, an embedding tied to the head, and three param
-groups, one of which some ranks hold no element of; on 3 ranks the units do not divide
-and are padded. It passes module=model (the units follow the model's registration
-order). It measures what each rank holds from the outside: every tensor your optimizer
-can reach (its attributes, the inner optimizer, the model's parameters and the hooks on
-them, your module's globals), split into parameters, gradients (what a .grad lives in)
-and the rest, which is optimizer state; and the full gradients alive while backward
-runs. A model whose backward completes its units out of index order shows the reduce
-order.
+Rules: no torch ZeroRedundancyOptimizer, FSDP (fully_shard, FullyShardedDataParallel) or DistributedDataParallel (see the README, "Exercises and grading").
 
-Rules enforced in every graded part (a part that breaks one scores 0): no
-torch.distributed.optim.ZeroRedundancyOptimizer, no FSDP (fully_shard,
-FullyShardedDataParallel) and no torch.nn.parallel.DistributedDataParallel, anywhere in
-what you build: the sharding is yours to write.
-
-Find the bug: ShardedGradAccumulator, at the end of the file, is shipped code with a bug
-(a small ZeRO-2 gradient shard under accumulation); fix it.
-
-Grade your work with `python -m exercises.grade 06` (about 12 s on a quiet 2-core machine:
-it starts 2 and 3 processes), ask for a hint on the first failing check with
-`python -m exercises.grade 06 --hint` (again for the next one, `--hint K` for the K-th),
-and see what full marks look like with `python -m exercises.grade 06 --reference`. A rank
-that waits more than 20 seconds for the others (a hang) fails its check. Chapter 06
-(chapters/06_zero.md), sections 2 and 3, explains the two stages; section 6 the layout.
-
-To experiment, run a function of your own on several processes with
-`minidist.launch.launch(fn, 2, *args)`: it returns each rank's return value and re-raises
-a rank's exception here, with "[rank r of 2]" in front.
+Grade with `python -m exercises.grade 06` (it starts 2 and 3 processes); `--hint` gives a
+hint for the first failing check, `--reference` grades minidist's version (full marks).
+To experiment: `minidist.launch.launch(fn, 2, *args)` runs fn on 2 processes.
 """
 
 from __future__ import annotations
@@ -116,7 +45,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from minidist import comm  # noqa: F401 - for you: comm.reduce_scatter, comm.all_gather
+from minidist import comm  # noqa: F401 - collectives="minidist": the ring of chapter 02
 from minidist.ddp import make_buckets  # DDP's buckets: the same bucket_cap_mb everywhere
 from minidist.zero import Unit  # the flat padded bucket described above
 
@@ -133,6 +62,22 @@ class ShardedOptimizer:
     collectives:      "torch" (asynchronous) or "minidist" (the ring, counted)
     module:           the model, if given: the units follow its registration order
     **defaults:       the inner optimizer's arguments (lr, ...)
+
+    The layout (written for you, in __init__): the trainable parameters are cut into
+    buckets of about `bucket_cap_mb`; each is a minidist.zero.Unit, one flat buffer padded
+    to a multiple of N that the bucket's parameters now live in (each p.data is a view of
+    it), of which rank r owns elements [r*S, (r+1)*S), S = padded length / N (a parameter
+    may straddle two ranks; an elementwise optimizer does not mind). A Unit `u` holds:
+
+        u.params       its parameters, sorted by param group (p.data is a view into u.flat)
+        u.flat         the padded flat buffer of parameters (the zeros at its end: padding)
+        u.chunk        S, the elements per rank;  u.lo, u.hi = r*S, (r+1)*S
+        u.shard        u.flat[u.lo:u.hi]: this rank's parameters, a view (writes reach p.data)
+        u.grad_shard   zeros like u.shard: this rank's averaged gradient goes here
+        u.ranges       {param group index: (start, end)}: the slice of u.shard that holds
+                       that group's parameters (padding belongs to no group)
+        u.ready        a counter for you: gradients completed in this backward
+        u.flat_grads() a new padded flat tensor of the local p.grad (zeros where p.grad is None)
     """
 
     def __init__(self, params, optimizer_class, group=None, stage: int = 1,
@@ -230,7 +175,8 @@ class ShardedOptimizer:
 
     def _on_grad(self, p: torch.Tensor) -> None:
         """The hook: p.grad is complete (once per backward, tied weights included). At
-        stage 2 the units are reduced from here, in unit index order (see the contract)."""
+        stage 2 the units are reduced from here, in unit index order on every rank,
+        whatever order backward completes them in."""
         raise NotImplementedError(
             "_on_grad is not written yet (`python -m exercises.grade 06 --hint` gives a hint)")
 
@@ -321,5 +267,5 @@ class ShardedGradAccumulator:
 # instead of the stub above. Leave it as it is.
 REFERENCE = {
     "ShardedOptimizer": "minidist.zero:ShardedOptimizer",
-    "ShardedGradAccumulator": "exercises.checks_06:ReferenceGradAccumulator",
+    "ShardedGradAccumulator": "exercises.grader.checks_06:ReferenceGradAccumulator",
 }

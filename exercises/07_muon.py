@@ -1,142 +1,52 @@
-"""Exercise 07: Newton-Schulz orthogonalisation, Muon spread over ranks, and Muon on ZeRO shards.
+"""Exercise 07: Newton-Schulz, Muon, Muon spread over ranks, and Muon on ZeRO's shards.
 
-Chapter 07 (chapters/07_muon.md) updates each hidden weight matrix with its momentum made
-orthogonal: M = U S V^T becomes (about) U V^T, every singular value close to 1, so the
-step moves the matrix as far along every direction the gradient points in, not mostly
-along the few with large singular values. An SVD would be slow on accelerators; a few
-matrix products are fast. Three parts:
+Muon steps each hidden weight matrix along its momentum made orthogonal: M = U S V^T
+becomes about U V^T, by a few matrix products. Read chapters/07_muon.md, section 2
+"Newton-Schulz: orthogonalising with matrix products", section 3 "Muon itself", section 5
+"Distributed Muon: sharing the orthogonalisation" and section 7 "Muon under ZeRO".
 
-(a) newton_schulz(G, steps=5, dtype=torch.bfloat16, eps=1e-7): approximately U V^T by
-    `steps` steps of the quintic Newton-Schulz iteration with Keller Jordan's
-    coefficients (a, b, c) = NS_COEFFICIENTS. Divided by its Frobenius norm, G has every
-    singular value in [0, 1]; each step then sends every singular value s of X to
-    p(s) = a s + b s^3 + c s^5 and keeps the singular vectors U and V. p's slope at 0 is
-    3.4445, so small values grow fast, and after five steps they sit in a band around 1
-    (about 0.7 to 1.1). Chapter 07, section 2, derives it.
+Write, replacing each `raise NotImplementedError(...)`:
+(a) newton_schulz: `steps` quintic steps with NS_COEFFICIENTS on G / ||G||_F, on the wide
+    side, each matrix of a batch on its own, computed and returned in `dtype`.
+(b) Muon._update and Muon.step: torch.optim.Muon's arithmetic; on N ranks each matrix has
+    one owner, which alone keeps its momentum and runs its Newton-Schulz, and the updates
+    reach every rank by all_gather (the constructor, _world and _apply are written for you).
+(c) muon_step_on_shards: one Muon step when parameters and gradients are ZeRO shards (its
+    docstring gives the layout): gradient pieces to each matrix's owner, update pieces back.
 
-(b) Muon: an optimizer with torch.optim.Muon's arithmetic that, on N ranks, gives each
-    weight matrix one owner rank. Only the owner keeps the matrix's momentum (1/N of the
-    optimizer state per rank) and runs its Newton-Schulz (1/N of the work); the
-    orthogonalised updates reach every rank by all_gather, and every rank applies every
-    update. The constructor (the same as minidist.muon.Muon's), _world() and _apply() are
-    written for you below; write _update() and step(). Chapter 07, sections 3 and 5.
+What is graded:
+- (a) fp32: each singular value s of G becomes p^steps(s / ||G||_F), U and V kept
+- (a) a tall matrix: the transpose of newton_schulz(G.T), with no more FLOPs
+- (a) a batch: each matrix as newton_schulz of it alone
+- (a) the result in `dtype` (bf16 by default), G itself unchanged, zeros for a zero matrix
+- (a) bf16: bit for bit torch's own Newton-Schulz
+- (b) one process: the parameters bit for bit torch.optim.Muon's (a None gradient: untouched)
+- (b) 2 and 3 ranks: every rank's parameters bit for bit one process's after every step
+- (b) the same with some gradients None (every rank joins every collective; 20 s: a hang)
+- (b) each momentum (self.state[p]["momentum_buffer"]) on one owner; per rank at most 1/N of
+      the momenta plus one matrix, exactly the Newton-Schulz FLOPs of the matrices it owns,
+      and collectives sending at most 1/N of the updates plus one matrix, in bf16
+- (c) 2 and 3 ranks: the shards put together == torch.optim.Muon within 1% of the movement
+- (c) each matrix's momentum whole, in `momenta`, on its owner only
+- (c) the bytes each rank receives: its pieces only (gradients fp32, updates bf16)
 
-(c) Muon on shards: muon_step_on_shards, one distributed Muon step when the parameters
-    and the averaged gradients are ZeRO shards (chapter 06's flat layout) and no rank
-    holds a whole matrix. Each matrix's owner gathers its gradient whole, keeps its
-    momentum, runs Newton-Schulz, and sends each rank the piece of the update that lies
-    in that rank's shard. Its docstring, below, states the setting.
+Rules: no torch.optim.Muon or torch.optim._muon._zeropower_via_newtonschulz (the oracles);
+in (a) no minidist newton_schulz (ns_reference is for (b) and (c)); in (c) no all-gather of
+any kind (see the README, "Exercises and grading").
 
-Implement, replacing each `raise NotImplementedError(...)`: newton_schulz, Muon._update,
-Muon.step and muon_step_on_shards.
-
-What the grader checks in (a):
-- fp32: each singular value s of G comes out as p applied `steps` times to s / ||G||_F,
-  with U and V kept.
-- The last two dimensions are the matrix; leading ones are a batch: each matrix of the
-  batch is its own problem, normalised by its own norm, and the result equals
-  newton_schulz of each matrix alone.
-- A tall matrix (rows > cols) gives the transpose of the wide case, iterated on the wide
-  side: the Gram matrix is then min(rows, cols) square, the cheaper one. The grader
-  counts the FLOPs.
-- The iteration runs in `dtype` and the result has that dtype; G itself is left as it
-  was (Muon hands you its momentum buffer: changing it in place would corrupt it).
-- An all-zero matrix gives zeros, not NaN: that is what eps is for.
-- In bf16 the result equals torch's own Newton-Schulz to the bit
-  (torch.optim._muon._zeropower_via_newtonschulz, the oracle): the same mathematics
-  rounded differently does not pass.
-- Part (a) is yours: ns_reference (minidist's newton_schulz, imported below for parts
-  (b) and (c)) trips while part (a) is checked, under any name; a check that reaches it
-  scores 0.
-
-What the grader checks in (b):
-- One process (no process group, or one of a single rank): equal to torch.optim.Muon,
-  bit for bit (momentum, Nesterov or not, decoupled weight decay, the shape-adjusted
-  learning rate). A parameter whose grad is None is left alone: no momentum, no weight
-  decay, no step.
-- 2 and 3 ranks (data parallelism: every rank holds the same parameters and, after the
-  all-reduce of chapter 03, the same gradients; all ranks agree which are None): every
-  rank's parameters equal one process's after every step, to the bit.
-- Every matrix has one owner rank, the same on every rank; only the owner keeps its
-  momentum, in self.state[p]["momentum_buffer"] (where the grader looks for who owns
-  what), and runs its Newton-Schulz. Each rank's share of the momentum is at most
-  total / N plus the largest matrix, counting every tensor the optimizer can reach
-  (besides the parameters and their gradients), wherever it is kept.
-- The work is where the ownership says: each step, the FLOPs of each rank's matrix
-  products (counted below Python, on every thread) are exactly those of the
-  Newton-Schulz of the matrices it owns that have a gradient.
-- The updates travel in the collectives: the grader records what every rank puts into
-  them (below torch.distributed's Python), and each update of each step must be among
-  it, bit for bit. No other way of moving data (a process group of your own, a group's
-  backend object, the rendezvous store).
-- Every rank joins every collective, in the same order, with the same sizes, also when
-  some gradients are None: a rank that skips one leaves the others waiting, and a rank
-  that waits more than 20 seconds for the others (a hang) fails its check.
-- Use self._world() for the rank and world size, and group=self.group in every
-  collective.
-- Part (b) orthogonalises with ns_reference, minidist's newton_schulz (imported below),
-  so its marks do not depend on part (a); your newton_schulz gives the same bits once it
-  matches torch's.
-
-What the grader checks in (c), on 2 and 3 ranks (5 matrices of uneven shapes, so neither
-world size divides their number, the padded layout, and matrices that straddle two
-ranks' shards; the owners are not the ranks that hold the matrices), over 3 steps:
-- The shards of all ranks, put back together, equal torch.optim.Muon's parameters on the
-  whole matrices after every step, within 1% of how far each matrix has moved from its
-  start (the largest element of the difference against the largest of the movement).
-  Why 1%: the update is bf16, 8 significant bits, so one rounding moves an element by
-  up to 2^-8 = 0.4% of its size. Moving the exact fp32 gradient pieces and the bf16
-  update pieces gives torch's bits (the reference does); the slack allows a rounding or
-  two. Send the gradients in fp32: rounded to bf16 on the way they change Newton-Schulz's
-  own bf16 roundings, which moved these matrices by up to 2.4% (measured with the
-  grader's matrices). Forgetting the momentum, or the weight decay, is off by a quarter
-  and more here, and an update applied to the wrong piece by far more.
-- Each matrix's momentum is in `momenta` on its owner only, whole (rows x cols), equal
-  to torch.optim.Muon's momentum_buffer within the same 1%.
-- The pieces travel in the recorded messages and collectives: each rank's sends of a
-  step hold, bit for bit, its gradient shard's pieces of the matrices others own, and
-  each piece of update a rank applies is, to rounding, among what the owner sent.
-- Bytes received per rank per step (every collective and recv, recorded below Python)
-  at most 4 x G + 2 x U + 64 bytes per matrix: G the elements of the matrices it owns
-  that lie outside its shard (gradients, fp32), U the elements of its shard whose
-  matrix another rank owns (updates, in ns_dtype, bf16: as Muon's all_gather sends
-  them). Summed over ranks G and U are each about Psi_muon (N - 1) / N when ownership
-  does not follow the layout (Psi_muon: the matrices' elements), the elements ZeRO's
-  reduce-scatter and all-gather move. Gloo's dist.gather and dist.scatter need equal
-  sizes on every rank, and padding to the largest piece can exceed the bound: send the
-  exact pieces (dist.all_to_all_single with split sizes, or dist.isend and dist.irecv).
-
-Rules enforced in every check (a check that breaks one scores 0): no torch.optim.Muon
-and no torch.optim._muon._zeropower_via_newtonschulz in what you write: they are the
-grader's oracles. In part (c) no all-gather of any kind (dist.all_gather,
-all_gather_into_tensor, all_gather_object, ...): it would hand every rank every shard,
-which is what ZeRO avoids.
-
-Grade your work with
-
-    python -m exercises.grade 07
-
-(about 6 s on a quiet 2-core machine: the Muon checks start 2 and 3 processes), and see
-what full marks look like with `python -m exercises.grade 07 --reference`, which grades
-minidist's own implementations (named in REFERENCE below) instead of yours.
-
-Ask for a hint on the first failing check with `python -m exercises.grade 07 --hint`
-(again for the next one; `--hint K` for the K-th).
-
-To experiment, run a function of your own on several processes with
-`minidist.launch.launch(fn, 2, *args)`: it returns each rank's return value and re-raises a
-rank's exception here, with "[rank r of 2]" in front. torch.optim.Muon is the
-single-process oracle: `torch.optim.Muon(params, lr=..., weight_decay=..., momentum=...,
-nesterov=..., ns_steps=..., adjust_lr_fn=...)` (pass them all: its defaults differ).
+Grade with `python -m exercises.grade 07` (the Muon parts start 2 and 3 processes);
+`python -m exercises.grade 07 --hint` gives a hint on the first failing check, and
+`python -m exercises.grade 07 --reference` grades minidist's answers (REFERENCE below).
+To experiment on several processes: `minidist.launch.launch(fn, 2, *args)`.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist  # for you: all_gather, all_to_all_single (and _world, below)
+import torch.distributed as dist
 
 from minidist.muon import adjust_lr
-from minidist.muon import newton_schulz as ns_reference  # noqa: F401 - for you, in part (b)
+from minidist.muon import newton_schulz as ns_reference  # noqa: F401 - for parts (b) and (c)
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # (a, b, c)
 
@@ -245,9 +155,9 @@ def muon_step_on_shards(param_shard: torch.Tensor, grad_shard: torch.Tensor, sha
 # Where minidist implements each; `python -m exercises.grade 07 --reference` grades these
 # instead of the stubs above. Leave it as it is. (minidist's Muon under ZeRO works on its
 # own objects, not on this function's bare shards: the shards step's reference is the
-# grader's own, in exercises/checks_07.py.)
+# grader's own, in exercises/grader/checks_07.py.)
 REFERENCE = {
     "newton_schulz": "minidist.muon:newton_schulz",
     "Muon": "minidist.muon:Muon",
-    "muon_step_on_shards": "exercises.checks_07:reference_muon_step_on_shards",
+    "muon_step_on_shards": "exercises.grader.checks_07:reference_muon_step_on_shards",
 }

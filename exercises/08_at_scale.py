@@ -1,115 +1,48 @@
 """Exercise 08: a sharded checkpoint that resumes on a different number of ranks.
 
-Chapter 08 (chapters/08_at_scale.md) saves a ZeRO run the way large runs are saved: every
-rank writes only what it holds (no rank gathers the model, which at scale would not fit
-in one memory), and the checkpoint can be loaded by any number of ranks. The trick is how
-a piece of it is named. Not "rank 3's shard", which means nothing to a run on 2 ranks, but
+Every rank of a ZeRO-1/2 run writes only what it holds, and any number of ranks can load it,
+because a piece is named (key, start, tensor): elements [start, start + numel) of the flattened
+tensor `key`, "model/" + a parameter's name or "optim/" + name + "/" + an AdamW moment
+(exp_avg, exp_avg_sq). Read chapters/08_at_scale.md, section 2 "Sharded checkpoints, and why
+they survive a change of world size" and section 3 "Atomic writes: what a kill leaves"
+(section 1, "What an exact resume needs", lists what to save).
 
-    (key, start, tensor):  elements [start, start + tensor.numel()) of the flattened tensor `key`
+The layout is chapter 06's (minidist.zero.Unit): a unit's parameters sorted by param group (a
+stable sort), back to back in one flat buffer padded with zeros to a multiple of N; rank r
+holds [r*S, (r+1)*S), S = ceil(total / N). A unit u of a ShardedOptimizer `opt` has u.params
+(in layout order), u.flat, u.chunk (S), u.lo, u.hi and u.shard = u.flat[u.lo:u.hi];
+opt.units lists them, the same units on any N. param_names, layout_of, shard_state and
+set_shard_state are written for you below. Write:
 
-where the key is a parameter's name ("model/blocks.0.mlp.c_fc.weight") or one of its
-optimizer state's ("optim/blocks.0.mlp.c_fc.weight/exp_avg"). Resuming on M ranks, each
-rank works out which elements of which keys it now holds, and copies them from whichever
-saved pieces overlap them, whatever N wrote them.
+  pieces_of(layout, rank, world)  layout: [(name, numel, group)] in bucket order. Return
+      [(name, start, a, b)]: each parameter's overlap [a, b) (flat coordinates) with the rank's
+      elements, starting at element `start` of the parameter; no padding, no empty piece.
+  read(pieces, key, start, n)  elements [start, start + n) of `key`, from pieces
+      {key: [(start, tensor)]} in any order; ValueError if an element is in no piece.
+  save(root, step, model, opt)  a collective; writes root/step_{step:08d} (returned as a Path):
+      every rank only what it holds, with torch.save (each element once over all ranks), and
+      AdamW's 0-dim state, its RNG state, the step, the world size; atomically (a folder whose
+      name starts with "." is not a checkpoint).
+  load(path, model, opt)  a collective: every rank gets every weight whole, its shard of the
+      moments and the step counter, and, on the world size that saved, rank r gets rank r's
+      RNG state back (on another, the RNG is left alone). Returns the step saved.
 
-The layout (chapter 06, minidist.zero.Unit): the parameters of a bucket live in one flat
-buffer. Its parameters are laid out SORTED BY PARAM GROUP (a stable sort: within a group
-they keep the bucket's order), back to back, and the buffer is PADDED with zeros to a
-multiple of the world size N. Rank r owns elements [r*S, (r+1)*S) of it, S = ceil(total/N).
-A parameter may straddle two ranks (or several, when it is longer than S), and a rank may
-hold only padding. What a unit `u` of a minidist.zero.ShardedOptimizer holds:
-
-    u.params       its parameters, in layout order (each p.data a view into u.flat)
-    u.flat         the padded flat buffer of parameters
-    u.chunk        S;   u.lo, u.hi = r*S, (r+1)*S;   u.shard = u.flat[u.lo:u.hi]
-
-and opt.units lists the units (the same units, in the same order, on every number of
-ranks: only their padding and cut points change).
-
-Implement, replacing each `raise NotImplementedError(...)`:
-
-part 1, pieces_of(layout, rank, world): which elements of which parameter this rank holds.
-  layout: [(name, numel, group), ...], a unit's parameters in the order the bucket got them
-  (not yet sorted by group). Return [(name, start, a, b), ...]: for each parameter with at
-  least one element in [r*S, (r+1)*S), the overlap [a, b) in the unit's flat coordinates
-  (0 = the buffer's first element) and `start`, where that overlap begins within the
-  flattened parameter. No piece for padding, no empty piece, no element twice.
-
-part 2, read(pieces, key, start, n): elements [start, start + n) of the flattened tensor
-  `key`, from pieces = {key: [(piece_start, tensor), ...]} (the pieces come in any order;
-  in a checkpoint no two of them overlap). A range some element of which is in no piece
-  is a damaged checkpoint: raise ValueError (KeyError for a key not there at all). The
-  result has the pieces' dtype.
-
-part 3, save(root, step, model, opt) and load(path, model, opt) for a ShardedOptimizer
-  (stage 1 or 2: the weights are replicated on every rank, the AdamW moments sharded).
-  Both are collectives: every rank calls them. Chapter 08, sections 1 to 3.
-
-  save writes root/step_{step:08d} (eight digits: step_00000002) and returns that Path.
-  - Every rank writes only what it holds, with torch.save (the grader watches torch.save
-    and counts the bytes it writes: each element once, over all ranks), as pieces named
-    (key, start, tensor) with the keys above: "model/" + name for a parameter,
-    "optim/" + name + "/" + k for its AdamW moment k. No rank gathers the model.
-  - Everything an exact resume needs: the weights, the moments, AdamW's 0-dim state (its
-    step counter: the bias correction depends on it), each rank's RNG state, the step
-    and the world size.
-  - Atomically: a kill at any moment leaves the new checkpoint whole or invisible and
-    the previous ones untouched, and saving again afterwards works. A folder whose name
-    starts with "." is not a checkpoint.
-
-  load fills the model and the optimizer from checkpoint `path`, saved by any number of
-  ranks, and returns the step it was saved at (the caller continues from there):
-  - every rank gets every parameter whole (the weights are replicated), and the moments
-    and the step counter of its own shard;
-  - when the checkpoint was saved by as many ranks as load runs on, rank r gets rank r's
-    RNG state back, so that dropout draws the masks the uninterrupted run would have; on
-    another number of ranks the RNG is left alone.
-  The learning rate and the other hyperparameters are the caller's: it builds the
-  optimizer with them and sets the learning rate from the step.
-
-Written for you below: param_names, layout_of, shard_state, set_shard_state.
-
-The grader checks pieces_of and read here, in this process, against layouts sharded and
-reassembled independently (N from 1 to 8, padding, parameters straddling ranks or longer
-than a shard, param groups interleaved, ranks holding only padding; gaps at the start,
-the middle and the end). Then it trains a small GPT (AdamW, two param groups, a learning
-rate that changes every step) with ZeRO-2 on 4 ranks and saves at step 2 with your save;
-loads that on 2 ranks (ZeRO-1) with your load, trains a step and saves; loads that on 3
-ranks and trains to step 5; loads the 4-rank checkpoint on 1 rank and trains to step 5.
-What load puts back must be exactly what was saved, and training must continue as one
-process with plain AdamW on the same batches does, up to float32 rounding (on another
-number of ranks the gradients are averaged in another order). On the same 4 ranks, with
-dropout, the resumed run must equal the uninterrupted one to the bit. It counts the bytes
-your torch.save calls write (each element once). And it kills your save (in one process)
-at every moment it can see: while and just after each file is written (torch.save,
-Path.write_text, json.dump), just before and just after each os.replace or os.rename,
-after which the folder must hold the previous checkpoint untouched, the new one only if
-it loads, and saving again must work. Grade your work with
-
-    python -m exercises.grade 08
-
-(about 7 s on a quiet 2-core machine: it starts 4, 2, 3 and 1 processes), and see what
-full marks look like with `python -m exercises.grade 08 --reference`, which grades
-minidist's own implementation (minidist/checkpoint/sharded.py, through the adapters named in
-REFERENCE below) instead of yours. A rank that waits more than 20 seconds for the
-others (a hang) fails its check.
-
-Ask for a hint on the first failing check with `python -m exercises.grade 08 --hint`
-(again for the next one; `--hint K` for the K-th).
-
-To experiment, run a function of your own on several processes with
-`minidist.launch.launch(fn, 2, *args)`: it returns each rank's return value and re-raises a
-rank's exception here, with "[rank r of 2]" in front.
+Graded (a small GPT, AdamW in two param groups, saved by ZeRO-2 on 2 ranks, loaded on 2 and 3):
+  - pieces_of, against minidist's units (N 1 to 8, padding, straddling, param groups interleaved)
+  - read puts a range together from pieces in any order, and refuses one with a gap (ValueError)
+  - save, killed before or after any write or rename: the old checkpoint intact, the new whole or absent
+  - save writes each element once (torch.save's bytes are counted), by the rank that holds it
+  - load puts back bit for bit what was saved; on 3 ranks training goes on as uninterrupted (fp32)
+  - on the same 2 ranks: each rank's RNG state back, and bit for bit the uninterrupted run
+Rules: no torch.distributed.checkpoint (async_)save, load, save/load_state_dict, no minidist.checkpoint save/load (see the README, "Exercises and grading").
+Grade: python -m exercises.grade 08 (--hint for a hint; --reference grades minidist's own).
 """
 
 from __future__ import annotations
 
-import os  # noqa: F401 - for you: os.replace
-import shutil  # noqa: F401 - for you: shutil.rmtree
 from pathlib import Path
 
 import torch
-import torch.distributed as dist  # noqa: F401 - for you: get_rank, get_world_size, barrier
 
 
 # ============================================================================ written for you
@@ -190,12 +123,11 @@ def load(path, model, opt) -> int:
         "load is not written yet (`python -m exercises.grade 08 --hint` gives a hint)")
 
 
-# Where minidist implements each (minidist/checkpoint/sharded.py and minidist.zero.Unit.pieces,
-# through thin adapters that give its save, load, Reader.read and pieces these signatures); `python -m exercises.grade
-# 08 --reference` grades these instead of the stubs above. Leave it as it is.
+# Where minidist implements each (through adapters in exercises/grader/checks_08.py);
+# `python -m exercises.grade 08 --reference` grades these instead. Leave it as it is.
 REFERENCE = {
-    "pieces_of": "exercises.checks_08:reference_pieces_of",
-    "read": "exercises.checks_08:reference_read",
-    "save": "exercises.checks_08:reference_save",
-    "load": "exercises.checks_08:reference_load",
+    "pieces_of": "exercises.grader.checks_08:reference_pieces_of",
+    "read": "exercises.grader.checks_08:reference_read",
+    "save": "exercises.grader.checks_08:reference_save",
+    "load": "exercises.grader.checks_08:reference_load",
 }

@@ -1,194 +1,82 @@
-"""Exercise 11: pipeline parallelism, the 1F1B schedule.
+"""Exercise 11: pipeline parallelism, a 1F1B schedule that cannot deadlock, with blocking messages.
 
-Goal. Pipeline parallelism cuts the model by layers: rank s of p holds stage s, a run of
-contiguous blocks (the embeddings on the first stage, the final norm and the head on the
-last). A batch is split into m micro-batches; each goes forward through stage 0, 1, ...,
-p - 1, and its gradient comes back through p - 1, ..., 0. GPipe runs every forward, then
-every backward: simple, but every stage holds the activations of all m micro-batches at
-once. 1F1B (one forward, one backward; PipeDream-Flush, as Megatron runs it) reorders the
-same work so that stage s never holds more than p - s of them, with the same bubble.
-Chapter 11 (chapters/11_pipeline.md) draws both and says where the numbers come from.
+Read chapters/11_pipeline.md, section 1 "Stages and the messages between them" (why a send
+waits for its receive, and what deadlocks) and section 2 "GPipe, then 1F1B" (the schedule).
+The chapter's 1F1B posts the two messages that cross on a link as one batch. Here every
+message is one blocking dist.send or dist.recv, and the order you post them in is yours.
 
-You write the schedule: on one stage, the order of its forwards, backwards and messages.
-The grader builds the stages (a tiny GPT, one stage per rank) and calls your function on
-every stage as `schedule(run, m)`, with `run`:
-- run.stage, run.stages: s and p; run.prev, run.next: the neighbouring stages' ranks
-  (None at the ends of the pipe); run.group: the pipe's process group;
-- run.forward(i): stage s's forward of micro-batch i. On every stage but the first, its
-  input (micro-batch i's activation from stage s - 1) must have been received first;
-- run.backward(i): its backward. On every stage but the last, the gradient of its output
-  (from stage s + 1) must have been received first. After the last backward, the stage's
-  gradients are complete: the grader reads them;
-- what the messages carry: run.output(i) (the activation forward(i) made, to send down),
-  run.input_grad(i) (after backward(i), the gradient of its input, to send up),
-  run.new_input(i) and run.new_output_grad(i) (a buffer to receive micro-batch i's
-  activation, or the gradient of its output, into: the run reads it from there).
-The helpers below post these messages between neighbours (each skips what the ends of the
-pipe lack); use them, or dist.batch_isend_irecv / isend / irecv / send / recv yourself.
-A gloo send (and NCCL's) waits until its receiver has posted the matching receive.
+The grader cuts a tiny GPT into p stages, one per process, and calls your schedule on
+every stage as `schedule(run, m)` for m micro-batches, with `run`:
+- run.stage, run.stages: s and p; run.prev, run.next: the neighbours' ranks (None at the
+  ends of the pipe); run.group: the pipe's process group (pass group=run.group: its
+  timeout is the deadlock watchdog); run.shape: every message's shape (micro-batch, T, C);
+- out = run.forward(i, x): stage s's forward of micro-batch i, x the activation received
+  from run.prev (None on the first stage); out is the activation to send to run.next
+  (None on the last stage);
+- g = run.backward(i, grad): its backward, grad the gradient of its output received from
+  run.next (None on the last stage); g is the gradient of its input, to send to run.prev
+  (None on the first stage). After the last backward the grader reads the gradients.
+A gloo send (like NCCL's) returns only once the receiver has posted the matching receive.
 
 Implement:
-(a) one_f_one_b(run, m): the 1F1B schedule of m micro-batches on this stage;
-(b) find the bug in draft_one_f_one_b below.
+(a) one_f_one_b(run, m): 1F1B on this stage, every message a dist.send or a dist.recv;
+(b) find the bug in draft_gpipe below, and fix it in place.
 
-What the grader checks (p = 2 and 4 stages, one per process; m = 8, 5, 4, 3, 2, 1;
-float32; the oracle is one process's gradient accumulation over the same micro-batches,
-computed by the grader):
-- gradients: after your schedule returns, every stage's gradients equal the oracle's
-  (rtol 1e-5, atol 1e-7: only the order of the sums may differ), every micro-batch went
-  forward and backward once on every stage, and each link between stages s and s + 1
-  carried m activations down and m gradients up, one message each, nothing else;
-- in flight: on stage s, the most micro-batches between their forward and their backward
-  at one moment is min(p - s, m), counted from the forwards and backwards your schedule
-  called;
-- no deadlock: every run finishes; each run has a watchdog (a wait of 5 s for a message
-  is a deadlock), and the report names the p, the m and where each stage was waiting;
-- (b) as its docstring says.
-The gradient and in-flight checks judge every run that finished, and need the runs with
-m >= p to finish; the deadlock check needs them all.
+Graded at p = 2 and 3 stages, m = 1, p - 1, p and 2p + 1, against one process running the
+whole model on the whole batch:
+- (a) gradients: every stage's parameter gradients, and the input gradient its backward
+  returned for each micro-batch, equal the oracle's;
+- (a) order: each stage runs 1F1B's forwards and backwards, at most min(p - s, m) in flight;
+- (a) no deadlock: every run finishes (a wait of 5 s is a deadlock: the report names p, m
+  and where each stage waited);
+- (b) draft_gpipe: every run finishes with the oracle's gradients.
+Rules: no dist.isend, irecv or batch_isend_irecv (nor minidist's exchange), no collective
+(not even barrier), no stage or schedule of torch.distributed.pipelining or minidist.pipeline
+(see the README, "Exercises and grading").
 
-Rules (enforced in every graded part; a part that breaks one scores 0, naming the rule):
-- Only point-to-point messages between neighbouring stages, on run.group: no collectives
-  (all_reduce, broadcast, all_gather, ...), no message to any other stage.
-- No torch.distributed.pipelining (its stages and schedules, under any name).
-- Import nothing from minidist (minidist.pipeline and its neighbours are the answer to this
-  exercise, and its other modules re-export them), nor the grader (anything under
-  exercises.), nor modules outside torch and the standard library's plain tools, nor reach
-  anything by a name built at run time (importlib, __import__, sys.modules, getattr). The grader reads this
-  file before it runs anything: such a line scores 0 in every check, naming the line.
-
-Grade your work with `python -m exercises.grade 11` (about 20 s on a quiet 2-core machine:
-it starts 2 and 4 processes), ask for a hint on the first failing check with
-`python -m exercises.grade 11 --hint` (again for the next one, `--hint K` for the K-th),
-and see what full marks look like with `python -m exercises.grade 11 --reference`.
-
-To experiment, run a function of your own on several processes with
-`minidist.launch.launch(fn, 2, *args)`: it returns each rank's return value and re-raises
-a rank's exception here, with "[rank r of 2]" in front.
+Grade with `python -m exercises.grade 11` (a few seconds: it starts 2 and 3 processes),
+`python -m exercises.grade 11 --hint` for a hint on the first failing check (again for the
+next), `python -m exercises.grade 11 --reference` to grade minidist's schedules instead.
 """
 
 from __future__ import annotations
 
-import torch  # noqa: F401 - for you: tensors to send, torch.empty_like
+import torch
 import torch.distributed as dist
 
 
-# ------------------------------------------------------------------ the messages
-
-def _exchange(group, sends=(), recvs=()) -> None:
-    """Post every send (tensor, peer) and every receive (buffer, peer) as one batch, then
-    wait for all of them."""
-    ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-
-
-def send_forward(run, i: int) -> None:
-    """Send micro-batch i's activation to the next stage (after run.forward(i))."""
-    if run.next is not None:
-        _exchange(run.group, sends=[(run.output(i), run.next)])
-
-
-def recv_forward(run, i: int) -> None:
-    """Receive micro-batch i's activation from the previous stage (before run.forward(i))."""
-    if run.prev is not None:
-        _exchange(run.group, recvs=[(run.new_input(i), run.prev)])
-
-
-def send_backward(run, j: int) -> None:
-    """Send the gradient of micro-batch j's input to the previous stage (after run.backward(j))."""
-    if run.prev is not None:
-        _exchange(run.group, sends=[(run.input_grad(j), run.prev)])
-
-
-def recv_backward(run, j: int) -> None:
-    """Receive the gradient of micro-batch j's output from the next stage (before run.backward(j))."""
-    if run.next is not None:
-        _exchange(run.group, recvs=[(run.new_output_grad(j), run.next)])
-
-
-def send_forward_recv_backward(run, i: int, j: int) -> None:
-    """Send micro-batch i's activation down and receive micro-batch j's gradient from
-    below, posted together and waited together."""
-    if run.next is not None:
-        _exchange(run.group, sends=[(run.output(i), run.next)],
-                  recvs=[(run.new_output_grad(j), run.next)])
-
-
-def send_backward_recv_forward(run, j: int, i: int) -> None:
-    """Send micro-batch j's input gradient up and receive micro-batch i's activation from
-    above, posted together and waited together."""
-    if run.prev is not None:
-        _exchange(run.group, sends=[(run.input_grad(j), run.prev)],
-                  recvs=[(run.new_input(i), run.prev)])
-
-
-def gpipe(run, m: int) -> None:
-    """GPipe, for comparison: every forward, then every backward. Correct, never
-    deadlocks, and holds all m micro-batches in flight on every stage."""
-    for i in range(m):
-        recv_forward(run, i)
-        run.forward(i)
-        send_forward(run, i)
-    for j in range(m):
-        recv_backward(run, j)
-        run.backward(j)
-        send_backward(run, j)
-
-
-# ------------------------------------------------------------------ (a) 1F1B
-
 def one_f_one_b(run, m: int) -> None:
-    """The 1F1B schedule of micro-batches 0 to m - 1 on stage run.stage of run.stages: the
-    same gradients as GPipe, at most min(p - stage, m) micro-batches in flight, and no
-    deadlock for any m."""
+    """1F1B of micro-batches 0 to m - 1 on stage run.stage of run.stages: the gradients of
+    one process, 1F1B's order of forwards and backwards, and no deadlock for any m."""
     raise NotImplementedError(
-        "one_f_one_b is not written yet: on stage s, how many forwards must run before the "
-        "first gradient can come back, and what order of messages keeps both sides of a "
-        "link in step? (`python -m exercises.grade 11 --hint` gives a hint)")
+        "one_f_one_b is not written yet: which forwards come before the first backward on "
+        "stage s, and in what order do the two ends of a link post their messages? "
+        "(`python -m exercises.grade 11 --hint`)")
 
 
-# ------------------------------------------------------------------ (b) find the bug
-
-def draft_one_f_one_b(run, m: int) -> None:
-    """FIND THE BUG. A 1F1B schedule: a warm-up of forwards that fills the stages below,
-    a steady state of one forward and one backward, a cool-down of the backwards left.
-
-    The contract, which the grader checks (p = 2 and 4, m = 8, 5, 4, 3, 2, 1, each run
-    under the watchdog): every run finishes; every stage's gradients equal one process's
-    accumulation; at most min(p - stage, m) micro-batches are in flight on stage `stage`;
-    each link carries m activations down and m gradients up, one message each.
-    As shipped it finishes for some micro-batch counts and hangs for others. Fix it in place."""
-    p, s = run.stages, run.stage
-    warmup = min(p - s - 1, m)
-    for i in range(warmup):
-        recv_forward(run, i)
-        run.forward(i)
-        send_forward(run, i)
-    if warmup < m:
-        recv_forward(run, warmup)
-    for j in range(m - warmup):  # forward i, then backward j, the oldest in flight
-        i = warmup + j
-        run.forward(i)
-        send_forward(run, i)      # this activation goes down ...
-        recv_backward(run, j)     # ... and the oldest one's gradient comes back
-        run.backward(j)
-        send_backward(run, j)     # its input's gradient goes up ...
-        if i + 1 < m:
-            recv_forward(run, i + 1)  # ... and the next activation comes in
-    for j in range(m - warmup, m):
-        recv_backward(run, j)
-        run.backward(j)
-        send_backward(run, j)
+def draft_gpipe(run, m: int) -> None:
+    """FIND THE BUG. GPipe, as a colleague wrote it: every forward, then every backward,
+    each message one blocking call. It finishes at every m, but its gradients are not
+    always one process's. Fix it in place."""
+    x = torch.empty(run.shape) if run.prev is not None else None  # what the messages arrive in
+    grad = torch.empty(run.shape) if run.next is not None else None
+    for i in range(m):
+        if run.prev is not None:
+            dist.recv(x, run.prev, group=run.group)
+        out = run.forward(i, x)
+        if run.next is not None:
+            dist.send(out, run.next, group=run.group)
+    for i in range(m):
+        if run.next is not None:
+            dist.recv(grad, run.next, group=run.group)
+        g = run.backward(i, grad)
+        if run.prev is not None:
+            dist.send(g, run.prev, group=run.group)
 
 
-# Where minidist implements each; `python -m exercises.grade 11 --reference` grades these
-# instead of the stubs above. Leave it as it is. Each entry is a one-line adapter in the
-# grader (exercises/checks_11.py) that runs minidist.pipeline.one_f_one_b on this
-# exercise's `run`.
+# Where minidist implements each (adapters in the grader running minidist.pipeline's
+# one_f_one_b and gpipe on this run); `--reference` grades these. Leave it as it is.
 REFERENCE = {
-    "one_f_one_b": "exercises.checks_11:reference_one_f_one_b",
-    "draft_one_f_one_b": "exercises.checks_11:reference_draft_one_f_one_b",
+    "one_f_one_b": "exercises.grader.checks_11:reference_one_f_one_b",
+    "draft_gpipe": "exercises.grader.checks_11:reference_draft_gpipe",
 }

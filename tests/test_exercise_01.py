@@ -1,48 +1,92 @@
-"""Exercise 01's rule: the formulas work from the config alone. A count_params that builds
-the model (even on the meta device, where it costs nothing) scores 0 on every check that
-calls it, with a message naming the rule; the plain formulas score full."""
+"""Exercise 01's grader: building a model (or calling minidist's count) scores 0 on the checks
+that do it, naming the rule and the line, and each classic slip loses the checks of its
+function. (tests/test_exercises.py grades the stubs, the reference and tests/solutions.)"""
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
+from pathlib import Path
+
+import pytest
 import torch
 
-from exercises import grade as G
-from minidist.model import GPT
+from exercises.grader import core
+from minidist.model import GPT, config_num_params
+
+_spec = importlib.util.spec_from_file_location(
+    "solution_01", Path(__file__).parent / "solutions" / "01_gpt.py")
+sol = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sol)
+RIGHT = dict(count_params=sol.count_params, flops_per_token=sol.flops_per_token, mfu=sol.mfu)
+
+
+def _pos(c):
+    return c.block_size * c.n_embd
 
 
 def count_by_building(cfg):
     with torch.device("meta"):
-        model = GPT(cfg)
-    return sum(p.numel() for p in model.parameters())  # parameters() counts the tied one once
+        model = GPT(cfg)  # the forbidden call
+    return sum(p.numel() for p in model.parameters())
 
 
-def plain_count(cfg):
-    d, b = cfg.n_embd, int(cfg.bias)
-    ln = d + b * d
-    block = 2 * ln + (3 * d * d + b * 3 * d) + (d * d + b * d) + (4 * d * d + b * 4 * d) + (4 * d * d + b * d)
-    return cfg.vocab_size * d + cfg.block_size * d + cfg.n_layer * block + ln
+def flops_from_minidists_count(cfg, T):
+    return 6 * (config_num_params(cfg) - _pos(cfg)) + 12 * cfg.n_layer * T * cfg.n_embd
 
 
-def plain_flops(cfg, seq_len):
-    n = plain_count(cfg) - cfg.block_size * cfg.n_embd
-    return 6 * n + 12 * cfg.n_layer * seq_len * cfg.n_embd
+def _line(fn, text):
+    """'tests/test_exercise_01.py:N', N the line of `text` in function `fn`."""
+    lines, first = inspect.getsourcelines(fn)
+    n = first + next(i for i, ln in enumerate(lines) if text in ln)
+    return f"test_exercise_01.py:{n}"
 
 
-def plain_mfu(fpt, tokens_per_s, peak_flops, n_devices=1):
-    return None if not peak_flops else fpt * tokens_per_s / (peak_flops * n_devices)
+# name: overrides; some check of that function must fail, and no other
+MISTAKES = {
+    "head counted twice": dict(count_params=lambda c: sol.count_params(c) + c.vocab_size * c.n_embd),
+    "position table forgotten": dict(count_params=lambda c: sol.count_params(c) - _pos(c)),
+    "LayerNorm bias without bias": dict(count_params=lambda c: sol.count_params(c)
+                                        + (0 if c.bias else (2 * c.n_layer + 1) * c.n_embd)),
+    "position table in N": dict(flops_per_token=lambda c, T: sol.flops_per_token(c, T) + 6 * _pos(c)),
+    "attention left out": dict(flops_per_token=lambda c, T: 6 * (sol.count_params(c) - _pos(c))),
+    "block_size for seq_len": dict(flops_per_token=lambda c, T: sol.flops_per_token(c, c.block_size)),
+    "forward only (2N)": dict(flops_per_token=lambda c, T: sol.flops_per_token(c, T)
+                              - 4 * (sol.count_params(c) - _pos(c))),
+    "peak of one device": dict(mfu=lambda f, tps, peak, n=1: f * tps / peak if peak else None),
+    "0 for an unknown peak": dict(mfu=lambda f, tps, peak, n=1: f * tps / (peak * n) if peak else 0.0),
+}
 
 
-def test_01_a_plain_solution_scores_full():
-    r = G.grade("01", overrides=dict(count_params=plain_count, flops_per_token=plain_flops,
-                                     mfu=plain_mfu))
-    assert r.points == r.max_points, {c.name: c.message for c in r.checks if not c.ok}
+def _failed(overrides):
+    r = core.grade("01", overrides={**RIGHT, **overrides})
+    return {c.name: c.message for c in r.checks if not c.ok}
 
 
-def test_01_building_the_model_scores_0_on_the_checks_that_do_it():
-    r = G.grade("01", overrides=dict(count_params=count_by_building, flops_per_token=plain_flops,
-                                     mfu=plain_mfu))
-    failed = {c.name: c.message for c in r.checks if not c.ok}
-    assert {n for n in failed} == {c.name for c in r.checks if "count_params" in c.name}, failed
-    for name, msg in failed.items():
-        assert "minidist.model.GPT was called, which this exercise forbids" in msg, (name, msg)
-        assert "build no model" in msg, (name, msg)
+def _checks_of(fn_name):
+    return {c.name for c in core.checks_of("01") if c.name.startswith(fn_name)}
+
+
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+def test_a_slip_loses_the_checks_of_its_function(mistake):
+    (fn_name,) = MISTAKES[mistake]
+    failed = _failed(MISTAKES[mistake])
+    assert failed and set(failed) <= _checks_of(fn_name), failed
+    for msg in failed.values():
+        assert "got " in msg and "not implemented" not in msg, msg
+
+
+def test_building_the_model_scores_0_on_the_checks_that_do_it_naming_the_line():
+    failed = _failed(dict(count_params=count_by_building))
+    assert set(failed) == _checks_of("count_params"), failed
+    for msg in failed.values():
+        assert "minidist.model.GPT was called at" in msg and "build no model" in msg, msg
+        assert _line(count_by_building, "GPT(cfg)") in msg, msg
+
+
+def test_calling_minidists_count_scores_0_on_the_checks_that_do_it():
+    failed = _failed(dict(flops_per_token=flops_from_minidists_count))
+    assert set(failed) == _checks_of("flops_per_token"), failed
+    for msg in failed.values():
+        assert "minidist.model.config_num_params was called at" in msg, msg
+        assert _line(flops_from_minidists_count, "config_num_params(cfg)") in msg, msg

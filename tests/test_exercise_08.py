@@ -1,306 +1,111 @@
-"""Exercise 08's grader catches the classic mistakes of a sharded checkpoint, each in the
-checks it belongs to, and a solution written the way the exercise asks scores full.
+"""Exercise 08's grader catches the mistakes that matter, each in the checks it belongs to.
 
-(tests/test_exercises.py proves that the stubs score 0 and minidist scores full.)
-pieces_of and read are graded in this process, so their mistakes cost nothing to run.
-save and load need processes: ONE launch per world size (4, 2, 3 and 1 ranks, as the
-grader's) runs every part of the grader for the plain solution and for every mistake of
-save and load, each in its own folder; each is then graded from its share of the
-results. The mistakes are the plain solution with one piece changed. The functions live
-at module level: cloudpickle ships them to the ranks by name.
+tests/test_exercises.py grades the stubs (0), minidist (full) and tests/solutions/08_at_scale.py
+(full). Here each mistake is that solution with a line or two changed. pieces_of and read are
+checked in this process, so their mistakes are graded as overrides, on those checks alone. A
+mistake of save or load costs a grading on the ranks, so mistakes that show in different checks
+share one file, graded once (each check's message says which mistake it caught).
 """
 
-import functools
-import importlib
-import os
-import shutil
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
 
-from exercises import checks_08 as C8
-from exercises import grade as G
-from grading_helpers import assert_keys_name_each_check_once, failed_checks, message_of
+from exercises.grader import core
 
-E8 = importlib.import_module("exercises.08_at_scale")  # its name starts with a digit
+SOLUTION = (Path(__file__).parent / "solutions" / "08_at_scale.py").read_text()
+PIECES, READ, GAPS = "pieces_of:", "read: a range", "read: ValueError"
+ATOMIC, BYTES, LOADED, SAME = "save is atomic", "save writes each element", "load on 2 and 3", "resumed on the same"
 
 
-# -- 0. a plain solution, written the way the exercise asks (its helpers, its hints)
-
-def plain_pieces_of(layout, rank, world, mistake=None):
-    order = layout if mistake == "bucket order" else sorted(layout, key=lambda e: e[2])
-    total = sum(numel for _, numel, _ in order)
-    chunk = total // world if mistake == "no padding" else -(-total // world)
-    lo, hi = rank * chunk, (rank + 1) * chunk
-    if mistake == "end included":
-        hi += 1  # [lo, hi] read as inclusive: the next rank's first element too
-    out, offset = [], 0
-    for name, numel, _ in order:
-        a, b = max(lo, offset), min(hi, offset + numel)
-        if a < b:
-            out.append((name, a if mistake == "start in the unit" else a - offset, a, b))
-        offset += numel
-    return out
+def _changed(*edits) -> str:
+    text = SOLUTION
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    return text
 
 
-def plain_read(pieces, key, start, n, mistake=None):
-    chunks = pieces[key]
-    out = torch.zeros(n, dtype=chunks[0][1].dtype)
-    have = torch.zeros(n, dtype=torch.bool)
-    for s, t in chunks:
-        a, b = max(start, s), min(start + n, s + t.numel())
-        if a < b:
-            # "piece offset forgotten": t indexed as if every piece began at element 0
-            out[a - start:b - start] = t[a:b] if mistake == "piece offset forgotten" else t[a - s:b - s]
-            have[a - start:b - start] = True
-    if not have.all() and mistake != "no gap check":
-        raise ValueError(f"{key}: element {start + int((~have).nonzero()[0])} is in no piece")
-    return out
-
-
-def plain_save(root, step, model, opt, mistake=None):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    root = Path(root)
-    final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
-    if mistake == "in place":  # written where it will be read, no rename
-        tmp = final
-    if rank == 0:
-        if mistake not in ("leftover kept", "in place"):
-            shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True, exist_ok=mistake == "in place")
-    dist.barrier()
-    names = E8.param_names(model)
-    pieces, scalars = [], {}
-    for u in opt.units:
-        flats, sc = E8.shard_state(opt, u)
-        scalars.update(sc)
-        for name, start, a, b in plain_pieces_of(E8.layout_of(u, names), rank, world):
-            if mistake not in ("every rank writes every weight", "rank 0 writes every weight"):
-                w = u.flat[a:b] if mistake == "slices not cloned" else u.flat[a:b].clone()
-                pieces.append((f"model/{name}", start, w))
-            for k, flat in flats.items():
-                pieces.append((f"optim/{name}/{k}", start, flat[a - u.lo:b - u.lo].clone()))
-    if mistake == "every rank writes every weight":  # replicated, so written N times
-        pieces += [(f"model/{names[id(p)]}", 0, p.detach().reshape(-1).clone()) for p in model.parameters()]
-    if mistake == "rank 0 writes every weight" and rank == 0:  # each once, but all by one rank
-        pieces += [(f"model/{name}", 0, p.detach().reshape(-1).clone())
-                   for name, p in model.named_parameters()]
-    torch.save({"pieces": pieces, "scalars": scalars, "rng": torch.get_rng_state(), "step": step,
-                "world": world, "rank": rank}, tmp / f"rank_{rank:05d}.pt")
-    dist.barrier()
-    if rank == 0 and tmp != final:
-        os.replace(tmp, final)
-    dist.barrier()
-    return final
-
-
-def plain_load(path, model, opt, mistake=None):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    files = [torch.load(f, weights_only=True) for f in sorted(Path(path).glob("rank_*.pt"))]
-    pieces = {}
-    for f in files:
-        for key, start, t in f["pieces"]:
-            pieces.setdefault(key, []).append((start, t))
-    scalars = files[0]["scalars"]
-    if mistake == "AdamW step restarted":
-        scalars = {k: torch.zeros_like(v) for k, v in scalars.items()}
-    names = E8.param_names(model)
-    moments = sorted({key.rsplit("/", 1)[1] for key in pieces if key.startswith("optim/")})
-    with torch.no_grad():
-        for u in opt.units:
-            flats = {k: torch.zeros_like(u.shard) for k in moments}
-            for name, start, a, b in plain_pieces_of(E8.layout_of(u, names), rank, world):
-                if mistake == "own shard of the weights only":
-                    u.flat[a:b] = plain_read(pieces, f"model/{name}", start, b - a)
-                for k in moments:
-                    flats[k][a - u.lo:b - u.lo] = plain_read(pieces, f"optim/{name}/{k}", start, b - a)
-            E8.set_shard_state(opt, u, flats, scalars)
-        if mistake != "own shard of the weights only":
-            for name, p in model.named_parameters():
-                p.view(-1).copy_(plain_read(pieces, f"model/{name}", 0, p.numel()))
-    by_rank = {f["rank"]: f for f in files}
-    if files[0]["world"] == world and mistake != "RNG not restored":
-        torch.set_rng_state(by_rank[0 if mistake == "rank 0's RNG on every rank" else rank]["rng"])
-    return files[0]["step"] + (1 if mistake == "returns the next step" else 0)
-
-
-# The checks of exercise 08, by a word of their names.
-CHECK8 = {"one group": "pieces_of, one param group", "padded": "pieces_of, padding",
-          "assembles": "read: a range", "gaps": "read: ValueError", "atomic": "save is atomic",
-          "bytes": "each element once", "loaded": "load on 2, 3 and 1 ranks",
-          "continues": "training continues", "same": "on the same 4 ranks"}
-IN_PROCESS = {"one group", "padded", "assembles", "gaps"}
-
-# name: (function it changes, {check that must fail: a phrase its message contains})
-PIECE_MISTAKES = {
-    "end included": ("pieces_of", {"one group": "the end is excluded", "padded": "the end is excluded"}),
-    "no padding": ("pieces_of", {"padded": "padded to S * N"}),
-    "bucket order": ("pieces_of", {"padded": "sorted by param group"}),
-    "start in the unit": ("pieces_of", {"one group": "within the parameter",
-                                        "padded": "within the parameter"}),
-    # its slices come out too short: it crashes where the gaps check wants ValueError too
-    "piece offset forgotten": ("read", {"assembles": "t[a - s:b - s]", "gaps": "raise ValueError"}),
-    "no gap check": ("read", {"gaps": "raise ValueError"}),
+# in-process mistakes: (edits, {check: a phrase of its message}); only those checks may fail
+IN_PROCESS = {
+    "bucket order": ([("order = sorted(layout, key=lambda e: e[2])", "order = list(layout)")], {PIECES: "want"}),
+    "no padding": ([("chunk = -(-sum(numel for _, numel, _ in order) // world)",
+                     "chunk = sum(numel for _, numel, _ in order) // world")], {PIECES: "want"}),
+    "end included": ([("lo, hi = rank * chunk, (rank + 1) * chunk", "lo, hi = rank * chunk, (rank + 1) * chunk + 1")],
+                     {PIECES: "want"}),
+    "start counted in the unit": ([("out.append((name, a - offset, a, b))", "out.append((name, a, a, b))")],
+                                  {PIECES: "want"}),
+    "piece offset forgotten": ([("t[a - s:b - s]", "t[a:b]")], {READ: "raised", GAPS: "raised"}),
+    "no gap check": ([("    if not covered.all():", "    if False:")], {GAPS: "want ValueError"}),
 }
-RANK_MISTAKES = {
-    "in place": ("save", {"atomic": "not whole"}),
-    "leftover kept": ("save", {"atomic": "saving step 2 again failed"}),
-    "every rank writes every weight": ("save", {"bytes": "every rank wrote every weight"}),
-    "slices not cloned": ("save", {"bytes": "clone()"}),
-    "rank 0 writes every weight": ("save", {"bytes": "every rank writes only what it holds"}),
-    "AdamW step restarted": ("load", {"loaded": "step counter", "continues": "one process",
-                                      "same": "step counter"}),
-    "RNG not restored": ("load", {"same": "RNG state"}),
-    "rank 0's RNG on every rank": ("load", {"same": "RNG state"}),
-    "returns the next step": ("load", {"loaded": "want 2", "continues": "one process",
-                                       "same": "want 2"}),
-    "own shard of the weights only": ("load", {"loaded": "replicated", "continues": "one process",
-                                               "same": "to the bit"}),
+# mistakes of save and load, grouped by the checks they show in
+ON_RANKS = {
+    "in place, slices not cloned, only its own shard of the weights read, rank 0's RNG on every rank": (
+        [('tmp = final.with_name(".tmp_" + final.name)', "tmp = final"),
+         ("u.flat[a:b].clone()", "u.flat[a:b]"),
+         ('''        for name, p in model.named_parameters():  # replicated: every rank reads them whole
+            p.view(-1).copy_(read(pieces, f"model/{name}", 0, p.numel()))''', '''        for u in opt.units:
+            for name, start, a, b in pieces_of(layout_of(u, names), rank, world):
+                u.flat[a:b] = read(pieces, f"model/{name}", start, b - a)'''),
+         ('f["rank"] == rank', 'f["rank"] == 0')],
+        {ATOMIC: "visible, holding", BYTES: "each element once", LOADED: "rank 0's", SAME: "rank(s) [1]"}),
+    "leftover kept, rank 0 writes every weight, AdamW's step restarted": (
+        [("        shutil.rmtree(tmp, ignore_errors=True)", "        pass"),
+         ('            pieces.append((f"model/{name}", start, u.flat[a:b].clone()))\n', ""),
+         ('    shard = {"pieces": pieces,', '    pieces += [(f"model/{k}", 0, p.detach().reshape(-1).clone()) '
+          'for k, p in model.named_parameters()] if rank == 0 else []\n    shard = {"pieces": pieces,'),
+         ('set_shard_state(opt, u, flats, files[0]["scalars"])',
+          'set_shard_state(opt, u, flats, {k: 0 * v for k, v in files[0]["scalars"].items()})')],
+        {ATOMIC: "saving step 2 again raised", BYTES: "rank 0 wrote", LOADED: "0-dim state", SAME: "rank 0's"}),
 }
+DCP = "    rank, world = dist.get_rank(), dist.get_world_size()\n    final ="
 
 
-def _fns(label):
-    """The four functions of solution `label`: the plain ones, one of them with its mistake."""
-    fns = dict(pieces_of=plain_pieces_of, read=plain_read, save=plain_save, load=plain_load)
-    mistakes = {**PIECE_MISTAKES, **RANK_MISTAKES}
-    if label in mistakes:
-        which = mistakes[label][0]
-        fns[which] = functools.partial(fns[which], mistake=label)
-    return fns
+def _graded(tmp_path, text: str):
+    path = tmp_path / "variant.py"
+    path.write_text(text)
+    return core.grade("08", path=path), path
 
 
-SOLUTIONS = ["plain", *RANK_MISTAKES]
+def _failed(result) -> dict:
+    return {c.name: c.message for c in result.checks if not c.ok}
 
 
-def _on_ranks(label, part, root, fns, r, n):
-    return C8.PARTS[part](os.path.join(root, label.replace(" ", "_").replace("'", "")), _fns(label), r, n)
+def _assert_fails_exactly(result, must_fail: dict) -> None:
+    failed = _failed(result)
+    assert sorted(failed) == sorted(c.name for c in result.checks if c.name.startswith(tuple(must_fail))), failed
+    for prefix, phrase in must_fail.items():
+        msg = next(m for n, m in failed.items() if n.startswith(prefix))
+        assert phrase in msg and "not implemented" not in msg, (prefix, msg)
 
 
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    """Every part, for the plain solution and every mistake of save and load, in one
-    launch per world size."""
-    root = str(tmp_path_factory.mktemp("ex08"))
-    parts, plan = {"oracle": functools.partial(C8.PARTS["oracle"], root)}, {}
-    for n, names in C8.PLAN.items():
-        plan[n] = ["oracle"] if "oracle" in names else []
-        for label in SOLUTIONS:
-            for p in names:
-                if p != "oracle":
-                    parts[f"{label}|{p}"] = functools.partial(_on_ranks, label, p, root)
-                    plan[n].append(f"{label}|{p}")
-    return C8.H.run_all(parts, {}, plan, C8.TIMEOUT_S, C8.HANG_HINT)
+@pytest.mark.parametrize("mistake", list(IN_PROCESS))
+def test_a_mistake_of_pieces_of_or_read_loses_its_checks(mistake, monkeypatch):
+    edits, must_fail = IN_PROCESS[mistake]
+    namespace = {}
+    exec(compile(_changed(*edits), "variant", "exec"), namespace)  # noqa: S102 - our own solution, changed
+    which = "pieces_of" if PIECES in must_fail else "read"
+    monkeypatch.setitem(core.CHECKS, "08", [c for c in core.checks_of("08") if c.name.startswith((PIECES, "read"))])
+    r = core.grade("08", reference=True, overrides={which: namespace[which]})
+    _assert_fails_exactly(r, must_fail)
 
 
-def _grade(label, shared, monkeypatch):
-    mine = {(p, n): shared[p if p == "oracle" else f"{label}|{p}", n]
-            for n, names in C8.PLAN.items() for p in names}
-    monkeypatch.setattr(C8, "_results", lambda impl: mine)
-    return G.grade("08", overrides=_fns(label))
+@pytest.mark.parametrize("mistakes", list(ON_RANKS))
+def test_mistakes_of_save_and_load_lose_their_checks(mistakes, tmp_path):
+    edits, must_fail = ON_RANKS[mistakes]
+    r, _ = _graded(tmp_path, _changed(*edits))
+    _assert_fails_exactly(r, must_fail)
+    assert r.points == sum(c.max_points for c in r.checks if not c.name.startswith(tuple(must_fail)))
 
 
-def _failed(result):
-    return failed_checks(result, CHECK8)
-
-
-def _message(messages, key):
-    return message_of(messages, CHECK8, key)
-
-
-def test_08_check_keys_name_each_check_once():
-    assert_keys_name_each_check_once("08", CHECK8)
-
-
-def test_08_a_plain_solution_scores_full(shared, monkeypatch):
-    r = _grade("plain", shared, monkeypatch)
-    assert r.points == r.max_points, {c.name: c.message for c in r.checks if not c.ok}
-
-
-@pytest.mark.parametrize("mistake", list(RANK_MISTAKES))
-def test_08_save_load_mistake_loses_the_points_of_its_checks(mistake, shared, monkeypatch):
-    _, must_fail = RANK_MISTAKES[mistake]
-    r = _grade(mistake, shared, monkeypatch)
-    which, messages = _failed(r)
-    assert which == set(must_fail), messages
-    assert 0 < r.points < r.max_points
-    for key, phrase in must_fail.items():
-        msg = _message(messages, key)
-        assert phrase in msg and "not implemented" not in msg, (key, msg)
-
-
-@pytest.mark.parametrize("mistake", list(PIECE_MISTAKES))
-def test_08_pieces_and_read_mistakes_lose_the_points_of_their_checks(mistake, monkeypatch):
-    # the in-process checks only (the processes' checks: the plain save and load, above)
-    monkeypatch.setitem(G.CHECKS, "08", [c for c in G.checks_of("08")
-                                         if any(CHECK8[k] in c.name for k in IN_PROCESS)])
-    _, must_fail = PIECE_MISTAKES[mistake]
-    r = G.grade("08", overrides=_fns(mistake))
-    which, messages = _failed(r)
-    assert which == set(must_fail), messages
-    assert r.points < r.max_points and (r.points > 0 or r.total == len(must_fail))
-    for key, phrase in must_fail.items():
-        msg = _message(messages, key)
-        assert phrase in msg and "not implemented" not in msg, (key, msg)
-
-
-def test_08_the_stub_is_graded_without_starting_processes(monkeypatch):
-    def no_launch(*a, **k):
-        raise AssertionError("a stub needs no launch")
-    monkeypatch.setattr(C8.H, "run_all", no_launch)
-    r = G.grade("08")
-    assert r.points == 0 and all(c.message.startswith("not implemented: ") for c in r.checks)
-
-
-# -- the grader's oracles
-
-def test_08_the_layout_built_by_hand_is_minidists():
-    # pieces_of's oracle lays the unit out itself: it must be minidist.zero.Unit's
-    # layout (sorted by group, padded, cut in N), built from parameters holding its codes
-    from minidist.zero import Unit
-    for layout, worlds in C8.ONE_GROUP + C8.PADDED_GROUPED:
-        for n in worlds:
-            flat, chunk = C8._by_hand(layout, n)
-            for r in range(n):
-                params = [torch.nn.Parameter(C8.CODE * (k + 1) + torch.arange(numel, dtype=torch.float64))
-                          for k, (_, numel, _) in enumerate(layout)]
-                u = Unit(params, {p: g for p, (_, _, g) in zip(params, layout)}, r, n)
-                assert torch.equal(u.flat, flat) and u.chunk == chunk and u.lo == r * chunk, (layout, n, r)
-    # and the layouts have what the checks say: padding, a rank with only padding, groups
-    # out of order, a parameter longer than a shard
-    padded = [(lay, n) for lay, ns in C8.PADDED_GROUPED for n in ns]
-    assert all(sum(k for _, k, _ in lay) % n == 0 for lay, ns in C8.ONE_GROUP for n in ns)
-    assert any(C8._by_hand(lay, n)[0][-C8._by_hand(lay, n)[1]:].eq(0).all() for lay, n in padded)
-    assert all(not torch.equal(C8._by_hand(lay, n)[0], C8._by_hand(lay, n, grouped=False)[0])
-               for lay, _ in C8.PADDED_GROUPED for n in (2,))
-    assert any(max(k for _, k, _ in lay) > 2 * C8._by_hand(lay, n)[1]
-               for lay, ns in C8.ONE_GROUP for n in ns)
-
-
-def test_08_the_grader_model_has_units_that_pad_and_mix_groups():
-    # the checkpoint runs must exercise padding (at 3 and 4 ranks) and group order
-    from unittest import mock
-    for n in (3, 4):
-        with mock.patch.object(dist, "get_rank", lambda group=None: 0), \
-                mock.patch.object(dist, "get_world_size", lambda group=None: n):
-            model, opt = C8._setup(0.0, 2)
-        sizes = [sum(p.numel() for p in u.params) for u in opt.units]
-        assert len(sizes) > 3 and any(s % n for s in sizes), sizes
-        order = {id(p): i for i, p in enumerate(model.parameters())}
-        # a unit whose layout (sorted by group) is not its bucket order (the model's, reversed)
-        assert any([order[id(p)] for p in u.params] != sorted((order[id(p)] for p in u.params), reverse=True)
-                   for u in opt.units)
-
-
-def test_08_torch_distributed_checkpoint_trips_the_rule(tmp_path):
-    # the grader runs every part under RULES: a save through torch's own sharded format
-    # raises there, naming the API and the rule, and the part scores 0
-    import torch.distributed.checkpoint as dcp
-
-    from exercises import _rules
-    with _rules.watch(C8.RULES) as w:
-        with pytest.raises(_rules.RuleBroken, match="writes its own sharded checkpoint"):
-            dcp.save({"w": torch.zeros(2)}, checkpoint_id=str(tmp_path))
-    assert w.broken and "torch.distributed.checkpoint.save" in w.broken[0]
-    assert not list(tmp_path.iterdir())  # nothing written
+def test_torch_distributed_checkpoint_scores_0_on_the_parts_that_call_it(tmp_path):
+    text = _changed((DCP, "    import torch.distributed.checkpoint as dcp\n    dcp.save({'w': torch.zeros(1)}, "
+                          "checkpoint_id=str(root))\n" + DCP))
+    r, path = _graded(tmp_path, text)
+    line = text.splitlines().index("    dcp.save({'w': torch.zeros(1)}, checkpoint_id=str(root))") + 1
+    failed = _failed(r)
+    assert sorted(failed) == sorted(c.name for c in r.checks if c.name.startswith((ATOMIC, BYTES, LOADED, SAME)))
+    for name, msg in failed.items():
+        assert "torch.distributed.checkpoint.save was called" in msg and f"{path.name}:{line}" in msg, (name, msg)
+        assert "own sharded format" in msg, msg
+    assert r.points == 4 + 2 + 1  # pieces_of and read keep theirs

@@ -1,106 +1,80 @@
-"""Exercise 09's grader: the stub scores 0, minidist full, a solution written as the
-exercise asks full, one that calls torch.utils.checkpoint 0, and each classic mistake
-loses the points of its checks only."""
+"""Exercise 09's grader: a solution that calls torch.utils.checkpoint scores 0, naming the
+rule and the line, however it reaches it; each planted mistake loses its checks only.
+(tests/test_exercises.py grades the stub, minidist and tests/solutions/09_memory.py.)
+A variant is the solution with lines replaced.
+"""
 
-import contextlib
+from pathlib import Path
 
 import pytest
-import torch
-import torch.utils.checkpoint as torch_checkpoint
-from torch.utils.checkpoint import checkpoint as imported_early  # before the tripwire
 
-from exercises import grade as G
-from grading_helpers import assert_keys_name_each_check_once, failed_checks
+from exercises.grader import checks_09 as C9
+from exercises.grader import core
 
-CHECK9 = {"grads": "gradients equal", "memory": "memory:", "dropout": "dropout:", "autocast": "autocast:"}
+SOLUTION = (Path(__file__).parent / "solutions" / "09_memory.py").read_text()
+CHECK = {"grads": "gradients equal", "memory": "memory:", "dropout": "dropout:", "autocast": "autocast:"}
+APPLY = "    return _Recompute.apply(fn, x, *fn.__self__.parameters())"
 
+INPUT = C9.B * C9.T * C9.D * 4  # a block's input, fp32 bytes
+MISTAKES = {  # name: ([(text in the solution, what replaces it)], the checks that must fail, a phrase)
+    "no RNG restore": ([("            torch.set_rng_state(ctx.rng)\n", "")], {"dropout"}, "with dropout"),
+    "the RNG restored, not forked": ([("with torch.random.fork_rng():", "with torch.enable_grad():")],
+                                     {"dropout"}, "random numbers drawn after the step with dropout"),
+    "no autocast replay": ([("with torch.autocast(kind, dtype=dtype, enabled=enabled), torch.enable_grad():",
+                             "with torch.enable_grad():")], {"autocast"}, "under bf16 autocast"),
+    "keeps the whole graph": ([(APPLY, "    return fn(x)")], {"memory"}, f"its input is {INPUT} bytes"),
+    "saves an intermediate too": ([("ctx.save_for_backward(x)",
+                                    "ctx.save_for_backward(x, fn.__self__.ln_1(x))"),
+                                   ("(x,) = ctx.saved_tensors", "x = ctx.saved_tensors[0]")], {"memory"},
+                                  f"block 0 keeps {2 * INPUT} bytes"),
+    "parameters not inputs of apply": ([(APPLY, "    return _Recompute.apply(fn, x)")], set(CHECK), ""),
+}
 
-def _solution(restore_rng=True, replay_autocast=True, keep_graph=False):
-    class F(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, fn, x, *params):
-            ctx.fn, ctx.rng = fn, torch.get_rng_state()
-            kind = x.device.type
-            ctx.amp = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
-            ctx.save_for_backward(x)
-            return fn(x)
-
-        @staticmethod
-        def backward(ctx, gy):
-            (x,) = ctx.saved_tensors
-            x = x.detach().requires_grad_()
-            params = list(ctx.fn.__self__.parameters())
-            kind, on, dtype = ctx.amp
-            with torch.random.fork_rng():
-                if restore_rng:
-                    torch.set_rng_state(ctx.rng)
-                amp = torch.autocast(kind, dtype=dtype, enabled=on) if replay_autocast else contextlib.nullcontext()
-                with amp, torch.enable_grad():
-                    y = ctx.fn(x)
-            return (None, *torch.autograd.grad(y, [x, *params], gy, allow_unused=True))
-
-    def checkpoint(fn, x):
-        if keep_graph:  # no Function at all: right gradients, every activation kept
-            return fn(x)
-        return F.apply(fn, x, *fn.__self__.parameters())
-    return checkpoint
-
-
-def _uses_torch(fn, x):
-    return torch_checkpoint.checkpoint(fn, x, use_reentrant=False)
-
-
-def _uses_torch_imported_early(fn, x):
-    return imported_early(fn, x, use_reentrant=False)
-
-
-MISTAKES = {  # name: (implementation, the checks that must fail)
-    "no RNG restore": (_solution(restore_rng=False), {"dropout"}),
-    "no autocast replay": (_solution(replay_autocast=False), {"autocast"}),
-    "keeps the whole graph": (_solution(keep_graph=True), {"memory"}),
+TORCH_CP = "torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False)"
+USES_TORCH = {  # name: (edits, the line that calls torch.utils.checkpoint)
+    "by module": ([(APPLY, f"    return {TORCH_CP}")], TORCH_CP),
+    "imported early": ([("import torch  # noqa: F401\n",
+                         "import torch\nfrom torch.utils.checkpoint import checkpoint as cp\n"),
+                        (APPLY, "    return cp(fn, x, use_reentrant=False)")], "return cp(fn"),
+    "caught and worked around": ([(APPLY, f"    try:\n        return {TORCH_CP}\n"
+                                          f"    except Exception:\n    {APPLY}")], TORCH_CP),
+    "checkpoint_sequential": ([(APPLY, "    return torch.utils.checkpoint.checkpoint_sequential("
+                                       "[fn], 1, x, use_reentrant=False)")], "checkpoint_sequential("),
 }
 
 
-def _grade(fn):
-    return G.grade("09", overrides={"checkpoint": fn})
+def _variant(tmp_path, edits) -> Path:
+    text = SOLUTION
+    for old, new in edits:
+        assert old in text, old
+        text = text.replace(old, new, 1)
+    path = tmp_path / "09_memory.py"
+    path.write_text(text)
+    return path
 
 
-def test_09_check_keys_name_each_check_once():
-    assert_keys_name_each_check_once("09", CHECK9)
-
-
-def test_09_stub_scores_zero_and_reference_full():
-    stub, ref = G.grade("09"), G.grade("09", reference=True)
-    assert stub.points == 0 and all(c.message.startswith("not implemented: ") for c in stub.checks)
-    assert ref.points == ref.max_points > 0, {c.name: c.message for c in ref.checks if not c.ok}
-
-
-def test_09_a_plain_solution_scores_full():
-    r = _grade(_solution())
-    assert r.points == r.max_points, {c.name: c.message for c in r.checks if not c.ok}
-
-
-def _tries_torch_then_its_own(fn, x):  # swallows the tripwire: still caught
-    try:
-        return torch_checkpoint.checkpoint(fn, x, use_reentrant=False)
-    except Exception:
-        return _solution()(fn, x)
-
-
-@pytest.mark.parametrize("fn", [_uses_torch, _uses_torch_imported_early, _tries_torch_then_its_own],
-                         ids=["module", "imported", "swallowed"])
-def test_09_torch_checkpoint_scores_zero(fn):
-    r = _grade(fn)
-    assert r.points == 0
-    assert all("torch.utils.checkpoint is the oracle" in c.message and "forbids" in c.message for c in r.checks)
-    x = torch.ones(1, requires_grad=True)
-    assert torch_checkpoint.checkpoint(lambda t: t * 2, x, use_reentrant=False).item() == 2  # restored
+def _failed(result) -> dict:
+    return {next(k for k, v in CHECK.items() if v in c.name): c.message for c in result.checks if not c.ok}
 
 
 @pytest.mark.parametrize("mistake", list(MISTAKES))
-def test_09_mistake_loses_the_points_of_its_checks(mistake):
-    fn, must_fail = MISTAKES[mistake]
-    r = _grade(fn)
-    which, messages = failed_checks(r, CHECK9)
-    assert which == must_fail, messages
-    assert 0 < r.points < r.max_points
+def test_a_mistake_loses_its_checks(mistake, tmp_path):
+    edits, must_fail, phrase = MISTAKES[mistake]
+    failed = _failed(core.grade("09", path=_variant(tmp_path, edits)))
+    assert set(failed) == must_fail, failed
+    for m in failed.values():
+        assert phrase in m and "not implemented" not in m and "forbids" not in m, m
+
+
+@pytest.mark.parametrize("how", list(USES_TORCH))
+def test_torch_checkpoint_scores_0_naming_the_rule_and_line(how, tmp_path):
+    edits, call = USES_TORCH[how]
+    path = _variant(tmp_path, edits)
+    line = next(i for i, ln in enumerate(path.read_text().splitlines(), 1) if call in ln)
+    r = core.grade("09", path=path)
+    assert r.points == 0, [c.name for c in r.checks if c.ok]
+    name = "checkpoint_sequential" if how == "checkpoint_sequential" else "checkpoint"
+    for c in r.checks:
+        assert f"torch.utils.checkpoint.{name} was called at" in c.message, c.message
+        assert f"{path.name}:{line}, which this exercise forbids" in c.message, c.message
+

@@ -1,303 +1,123 @@
-"""Exercise 10's grader: the stubs score 0, minidist scores full, a plain solution written
-the way the exercise asks scores full, classic mistakes lose the checks they belong to,
-and solutions that break a rule score 0 on the parts they break, naming the rule.
+"""Exercise 10's grader on what the generic tests (tests/test_exercises.py) do not cover:
+the shipped draft's messages report symptoms, not the diagnosis; each planted mistake loses
+its own check(s), and only those; a solution that calls what the rules forbid scores 0 on
+that part only, naming the rule and the line. Each variant is the plain solution
+(tests/solutions/10_tensor_parallel.py) with mistakes written into separate parts, graded
+once, on 2 ranks (the grader's own world sizes are 2 and 3)."""
 
-(tests/test_exercises.py proves the stub/reference pair for every exercise too.) The
-mistakes and rule-breakers run on 2 ranks only (the grader itself runs 2 and 3). The
-solutions live at module level: cloudpickle ships them to the ranks by name.
-"""
-
-import importlib
+from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
-import torch.nn as nn
-import torch.nn.functional as F
 
-from exercises import checks_10 as C10
-from exercises import grade as G
-from grading_helpers import assert_keys_name_each_check_once, failed_checks, message_of
+from exercises.grader import checks_10, core
 
-EX10 = importlib.import_module("exercises.10_tensor_parallel")
+SOLUTION = (Path(__file__).resolve().parent / "solutions" / "10_tensor_parallel.py").read_text()
+CE, CE_BYTES, QKV, SP_GRAD, SP_DROP = (c.name for c in core.checks_of("10"))
 
-KEYS = {"fg": "f and g", "column": "ColumnParallelLinear:", "row": "RowParallelLinear:",
-        "mlp": "ParallelMLP ==", "comm": "communication and work",
-        "sp_grad": "sequence_parallel_mlp's gradients", "sp_dropout": "sequence_parallel_mlp's dropout"}
+_CE_CALL = "    return _VocabParallelCrossEntropy.apply(logits, targets, start, group)\n"
+_QKV = "    rows = torch.cat([torch.arange(a, b) + i * C for i in range(3)])  # its q, then k, then v rows\n"
+_GRAD = "        return _scatter_positions(grad.contiguous(), ctx.group), None"
+_SEED = "            torch.manual_seed(seed + dist.get_rank(group))\n"
 
-
-# -- 0. a plain solution, written the way the exercise asks
-
-class _F(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
+MISTAKES = {  # name: ({old: new} in the solution, the checks it must fail)
+    "gathers the logits; plain qkv cut; gradient divided by t; seeds by rank without a fork": ({
+        _CE_CALL: """    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, logits.detach())
+    parts[dist.get_rank(group)] = logits
+    full = torch.cat(parts, -1)
+    return F.cross_entropy(full.view(-1, full.shape[-1]), targets.view(-1))
+""",
+        _QKV: "    rows = torch.arange(rank * 3 * C // world_size, (rank + 1) * 3 * C // world_size)\n",
+        _GRAD: """        grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _G(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def plain_f(x, group):
-    return _F.apply(x, group)
-
-
-def plain_g(x, group):
-    return _G.apply(x, group)
-
-
-def _block(n, group):
-    t, r = dist.get_world_size(group), dist.get_rank(group)
-    return slice(r * n // t, (r + 1) * n // t)
-
-
-class PlainColumn(nn.Module):
-    f = staticmethod(plain_f)
-
-    def __init__(self, full, group):
-        super().__init__()
-        rows, self.group = _block(full.out_features, group), group
-        self.weight = nn.Parameter(full.weight.detach()[rows].clone())
-        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach()[rows].clone())
-
-    def forward(self, x):
-        return F.linear(type(self).f(x, self.group), self.weight, self.bias)
-
-
-class PlainRow(nn.Module):
-    def __init__(self, full, group):
-        super().__init__()
-        cols, self.group = _block(full.in_features, group), group
-        self.weight = nn.Parameter(full.weight.detach()[:, cols].clone())
-        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
-
-    def forward(self, x):
-        y = plain_g(F.linear(x, self.weight), self.group)
-        return y if self.bias is None else y + self.bias
-
-
-class PlainMLP(nn.Module):
-    column, row = PlainColumn, PlainRow
-
-    def __init__(self, full, group):
-        super().__init__()
-        self.c_fc = type(self).column(full.c_fc, group)
-        self.c_proj = type(self).row(full.c_proj, group)
-
-    def forward(self, x):
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
-
-
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return EX10._gather_positions(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return EX10._scatter_positions(grad, ctx.group), None  # the reduce-scatter sums once
-
-
-def plain_sequence_parallel_mlp(x, w_fc, w_proj, group, p=0.0):
-    h = _Gather.apply(x, group)
-    y = EX10._ScatterPositions.apply(F.linear(F.gelu(F.linear(h, w_fc), approximate="tanh"), w_proj), group)
-    if p > 0:
-        seed = int(torch.randint(0, 2**62, (1,)))  # the same on every rank; the stream moves on
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed + dist.get_rank(group))
-            y = F.dropout(y, p, training=True)
-    return x + y
-
-
-PLAIN = {"copy_to_region": plain_f, "reduce_from_region": plain_g, "ColumnParallelLinear": PlainColumn,
-         "RowParallelLinear": PlainRow, "ParallelMLP": PlainMLP,
-         "sequence_parallel_mlp": plain_sequence_parallel_mlp}
-
-
-# -- 1. mistakes
-
-class BiasOnEveryRank(PlainRow):
-    """The bias added by every rank before the sum: counted t times."""
-
-    def forward(self, x):
-        y = F.linear(x, self.weight, self.bias)
-        return plain_g(y, self.group)
-
-
-class MLPBiasOnEveryRank(PlainMLP):
-    row = BiasOnEveryRank
-
-
-def f_without_backward_sum(x, group):
-    return x  # identity both ways: the input's gradient stays this rank's partial sum
-
-
-class ColumnWithoutSum(PlainColumn):
-    f = staticmethod(f_without_backward_sum)
-
-
-class MLPWithoutSum(PlainMLP):
-    column = ColumnWithoutSum
-
-
-# -- 2. rule-breakers
-
-def torch_nn_all_reduce(x, group):
-    return dist_nn.all_reduce(x, group=group)  # torch's autograd-aware all-reduce: g, ready-made
-
-
-def minidist_column(full, group):
-    import minidist.tensor_parallel as tp  # the answer, imported
-    return tp.ColumnParallelLinear(full, group)
-
-
-class MinidistMLP(PlainMLP):
-    column = staticmethod(minidist_column)
-
-
-# --------------------------------------------------------------------- the gradings
-
-@pytest.fixture
-def two_ranks(monkeypatch):
-    monkeypatch.setattr(C10, "WORLD_SIZES", (2,))
-
-
-def _grade(overrides):
-    return G.grade("10", overrides=overrides)
-
-
-def test_keys_name_each_check_once():
-    assert_keys_name_each_check_once("10", KEYS)
-
-
-def test_stubs_score_zero():
-    r = G.grade("10")
-    assert r.points == 0 and r.total == len(KEYS)
-    failed, messages = failed_checks(r, KEYS)
-    assert failed == set(KEYS)
-    assert "summed over the ranks twice" in message_of(messages, KEYS, "sp_grad")
-    assert "same dropout mask" in message_of(messages, KEYS, "sp_dropout")
-
-
-def test_reference_scores_full():
-    r = G.grade("10", reference=True)
-    assert r.points == r.max_points == 14, {c.name: c.message for c in r.checks if not c.ok}
-
-
-def test_plain_solution_scores_full(two_ranks):
-    r = _grade(PLAIN)
-    assert r.points == r.max_points, {c.name: c.message for c in r.checks if not c.ok}
-
-
-def test_bias_added_on_every_rank_loses_row_and_mlp(two_ranks):
-    r = _grade({**PLAIN, "RowParallelLinear": BiasOnEveryRank, "ParallelMLP": MLPBiasOnEveryRank})
-    failed, messages = failed_checks(r, KEYS)
-    assert failed == {"row", "mlp"}, messages
-    assert "1 more copies of the bias" in message_of(messages, KEYS, "row")
-
-
-def test_f_without_backward_all_reduce_loses_its_checks(two_ranks):
-    r = _grade({**PLAIN, "copy_to_region": f_without_backward_sum,
-                "ColumnParallelLinear": ColumnWithoutSum, "ParallelMLP": MLPWithoutSum})
-    failed, messages = failed_checks(r, KEYS)
-    assert failed == {"fg", "column", "mlp", "comm"}, messages
-    assert "sum over the group's ranks" in message_of(messages, KEYS, "column")
-
-
-def test_torch_distributed_nn_functional_scores_zero_where_used(two_ranks):
-    r = _grade({**PLAIN, "reduce_from_region": torch_nn_all_reduce})
-    failed, messages = failed_checks(r, KEYS)
-    assert failed == {"fg", "comm"}, messages
-    assert "torch.distributed.nn.functional" in message_of(messages, KEYS, "fg")
-    assert "scores 0" in message_of(messages, KEYS, "fg")
-
-
-def test_importing_minidist_tensor_parallel_scores_zero_where_used(two_ranks):
-    r = _grade({**PLAIN, "ColumnParallelLinear": minidist_column, "ParallelMLP": MinidistMLP})
-    failed, messages = failed_checks(r, KEYS)
-    assert failed == {"column", "mlp", "comm"}, messages
-    for key in ("column", "mlp"):
-        assert "minidist.tensor_parallel.layers.ColumnParallelLinear was called" in message_of(messages, KEYS, key)
-
-
-def test_minidist_functions_under_the_stub_names_are_not_the_reference(two_ranks):
-    # the same objects the reference adapters call, taken directly: not trusted, they trip
-    from minidist import tensor_parallel as tp
-    r = _grade({**PLAIN, "copy_to_region": tp.copy_to_region, "reduce_from_region": tp.reduce_from_region})
-    failed, messages = failed_checks(r, KEYS)
-    assert failed == {"fg", "comm"}, messages
-    assert "minidist.tensor_parallel.layers.copy_to_region was called" in message_of(messages, KEYS, "fg")
-    assert "scores 0" in message_of(messages, KEYS, "fg")
-
-
-class DTensorColumn(PlainColumn):
-    """torch's own column split: the import trips (or, where DTensor is loaded already,
-    the style's constructor)."""
-
-    def __init__(self, full, group):
-        super().__init__(full, group)
-        from torch.distributed.tensor.parallel import ColwiseParallel
-        ColwiseParallel()
-
-
-class DTensorMLP(PlainMLP):
-    column = DTensorColumn
-
-
-def test_dtensor_parallel_styles_score_zero_where_used(two_ranks):
-    r = _grade({**PLAIN, "ColumnParallelLinear": DTensorColumn, "ParallelMLP": DTensorMLP})
-    failed, messages = failed_checks(r, KEYS)
-    assert failed == {"column", "mlp", "comm"}, messages
-    assert "torch.distributed.tensor" in message_of(messages, KEYS, "column")
-    assert "scores 0" in message_of(messages, KEYS, "column")
-
-
-CHEATS = {
-    "from minidist.tensor_parallel import copy_to_region\n": "minidist.tensor_parallel",
-    "import minidist.tensor_parallel.gpt as tpg\n": "minidist.tensor_parallel.gpt",
-    "from minidist import tensor_parallel\n": "minidist.tensor_parallel",
-    "from torch.distributed.tensor.parallel import parallelize_module\n": "torch.distributed.tensor",
-    "import torch.distributed as dist\ny = dist.nn.functional.all_reduce\n": "torch.distributed.nn",
-    "from exercises.checks_10 import reference_copy_to_region\n": "exercises",
-    "import importlib\n": "importlib",
-    "import torch\ny = torch.ops.c10d.allreduce_\n": "torch.ops",
+        return _scatter_positions(grad / dist.get_world_size(ctx.group), ctx.group), None""",
+        "        with torch.random.fork_rng(devices=[]):\n": "        if True:\n",
+    }, {CE_BYTES, QKV, SP_GRAD, SP_DROP}),
+    "all-reduces the padded logits; a fixed seed per rank": ({
+        _CE_CALL: """    r, V_r = dist.get_rank(group), logits.shape[-1]
+    V = torch.tensor([V_r])
+    dist.all_reduce(V, group=group)
+    full = torch.zeros(*logits.shape[:-1], int(V), requires_grad=False)
+    full[..., start:start + V_r] = logits.detach()
+    dist.all_reduce(full, group=group)
+    full = torch.cat([full[..., :start], logits, full[..., start + V_r:]], -1)
+    return F.cross_entropy(full.view(-1, full.shape[-1]), targets.view(-1))
+""",
+        _SEED: "            torch.manual_seed(1234 + dist.get_rank(group))\n",
+    }, {CE_BYTES, SP_DROP}),
+    "the local max; the draft's gradient; the same seed on every rank": ({
+        "        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)\n": "",
+        _GRAD: """        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return _scatter_positions(grad, ctx.group), None""",
+        _SEED: "            torch.manual_seed(seed)\n",
+    }, {CE, SP_GRAD, SP_DROP}),
+    "backward ignores the incoming gradient": ({
+        "        return (g * grad / len(local))": "        return (g / len(local))",
+    }, {CE}),
+}
+
+FORBIDDEN = {  # minidist's answer for (a), DTensor in (b)
+    "import torch.nn.functional as F\n": "import torch.nn.functional as F\n"
+    "from minidist.tensor_parallel.gpt import vocab_parallel_cross_entropy as theirs\n"
+    "from torch.distributed.tensor import distribute_tensor\n",
+    _CE_CALL: "    return theirs(logits, targets, start, group)\n",
+    "    C = weight.shape[1]\n": "    distribute_tensor(weight)\n    C = weight.shape[1]\n",
 }
 
 
-@pytest.mark.parametrize("source", list(CHEATS))
-def test_file_check_names_the_line_and_the_rule(source):
-    problems = C10.file_problems("import torch.nn as nn\n" + source)
-    assert problems, source
-    line = source.count("\n") + 1  # the source's last line, after the one above it
-    assert f"line {line}:" in problems[0] and CHEATS[source] in problems[0], problems
+def _variant(tmp: Path, name: str, edits: dict) -> Path:
+    src = SOLUTION
+    for old, new in edits.items():
+        assert src.count(old) == 1, f"{name}: {old!r} is not in the solution once"
+        src = src.replace(old, new)
+    path = tmp / f"{abs(hash(name))}.py"
+    path.write_text(src)
+    return path
 
 
-def test_the_stub_file_passes_the_file_check():
-    assert C10.file_problems(C10.LEARNER_FILE.read_text()) == []
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ex10")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(checks_10, "WORLD_SIZES", (2,))
+        out = {name: core.grade("10", path=_variant(tmp, name, edits))
+               for name, (edits, _) in MISTAKES.items()}
+        out["forbidden"] = core.grade("10", path=_variant(tmp, "forbidden", FORBIDDEN))
+        out["draft"] = core.grade("10")
+    return {name: {c.name: c for c in r.checks} for name, r in out.items()}
 
 
-def test_a_file_that_imports_the_answer_scores_zero_everywhere(tmp_path, monkeypatch):
-    cheat = tmp_path / "10_tensor_parallel.py"
-    cheat.write_text(C10.LEARNER_FILE.read_text().replace(
-        "import torch.nn as nn\n", "import torch.nn as nn\nfrom minidist.tensor_parallel import *\n", 1))
-    monkeypatch.setattr(C10, "LEARNER_FILE", cheat)
-    r = _grade(PLAIN)  # even with a working solution: nothing runs
-    assert r.points == 0
-    assert all("minidist.tensor_parallel" in c.message and "line" in c.message for c in r.checks)
+@pytest.mark.parametrize("name", list(MISTAKES))
+def test_each_mistake_loses_its_checks_and_only_those(graded, name):
+    failed = {n for n, c in graded[name].items() if not c.ok}
+    assert failed == MISTAKES[name][1], {n: graded[name][n].message for n in failed}
+    for n in failed:
+        assert "on 2 ranks" in graded[name][n].message or n == QKV, graded[name][n].message
+
+
+def test_gathering_the_logits_is_seen_in_what_moved(graded):
+    gathered, summed = (graded[n][CE_BYTES].message for n in list(MISTAKES)[:2])
+    assert "forward moved all-gather" in gathered, gathered
+    assert "forward moved all-reduce" in summed and "at most 384 bytes" in summed, summed
+
+
+def test_a_forbidden_call_scores_its_part_0_naming_the_rule_and_the_line(graded, tmp_path):
+    r, lines = graded["forbidden"], _variant(tmp_path, "forbidden", FORBIDDEN).read_text().splitlines()
+    at = {what: f".py:{lines.index(text) + 1}," for what, text in (
+        ("ce", "    return theirs(logits, targets, start, group)"), ("qkv", "    distribute_tensor(weight)"))}
+    for n in (CE, CE_BYTES):
+        assert "minidist.tensor_parallel.gpt.vocab_parallel_cross_entropy was called at" in r[n].message, r[n].message
+        assert at["ce"] in r[n].message and "scores 0" in r[n].message, r[n].message
+    assert "torch.distributed.tensor.distribute_tensor was called at" in r[QKV].message, r[QKV].message
+    assert at["qkv"] in r[QKV].message and "not DTensor" in r[QKV].message, r[QKV].message
+    assert r[SP_GRAD].ok and r[SP_DROP].ok, (r[SP_GRAD].message, r[SP_DROP].message)
+
+
+def test_the_drafts_messages_say_what_differs_not_why(graded):
+    grad, drop = graded["draft"][SP_GRAD].message, graded["draft"][SP_DROP].message
+    assert grad.startswith("on 2 ranks, rank 0: ") and "differs from one process's by up to" in grad, grad
+    assert "positions 3:6 (rank 1's) are dropped exactly where positions 0:3" in drop, drop
+    for message in (grad, drop):
+        for diagnosis in ("twice", "summed", "all_reduce", "all-reduce", "same mask", "seed", "fork", "rng"):
+            assert diagnosis not in message.lower(), (diagnosis, message)

@@ -82,8 +82,8 @@ def _check_command(cmd):
             if module == "minidist.train_gpt":
                 _check_train_flags(rest)
             if module == "exercises.grade":
-                from exercises import grade
-                grade.parse_args(rest)
+                from exercises.grader import cli
+                cli.parse_args(rest)
             return
         script, rest = args[0], args[1:]
     elif prog == "torchrun":

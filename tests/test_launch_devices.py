@@ -169,9 +169,9 @@ def test_notebooks_launched_functions_keep_their_tensors_on_their_backends_devic
 
 
 def test_a_graders_launched_functions_keep_their_tensors_on_their_backends_device(gpu_host, monkeypatch):
-    from exercises import checks_02, grade
+    from exercises.grader import Cache, checks_02, core
     monkeypatch.setattr(checks_02, "WORLD_SIZES", (2,))
-    monkeypatch.setattr(checks_02, "_CACHE", {})  # results of an earlier grading in this session
+    monkeypatch.setattr(checks_02, "_CACHE", Cache())  # results of an earlier grading in this session
     seen = []
     real_run = Pool.run
 
@@ -181,9 +181,9 @@ def test_a_graders_launched_functions_keep_their_tensors_on_their_backends_devic
         return [value for value, _ in outs]
     monkeypatch.setattr(Pool, "run", guarded_run)
     pool = Pool(2, timeout_s=60)  # the grader's shared pool, on this test's own processes
-    monkeypatch.setattr(checks_02, "shared_pool", lambda n: pool)
+    monkeypatch.setattr("exercises.grader.ranks.shared_pool", lambda n: pool)
     try:
-        result = grade.grade("02", reference=True)
+        result = core.grade("02", reference=True)
     finally:
         pool.close()
     assert result.points == result.max_points, {c.name: c.message for c in result.checks if not c.ok}

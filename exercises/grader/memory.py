@@ -1,22 +1,9 @@
-"""Where memory really is: the grader's ways of finding the tensors a piece of code holds.
+"""Where memory really is: the tensors a piece of code holds, found by looking, not asking.
 
-The memory checks do not ask the learner's objects what they hold (self.state, a hook
-the learner's code could stack its own under); they look:
-
-- `reachable(roots, ...)`: every tensor reachable from some objects by following
-  references: attributes (__dict__, __slots__), containers, the tensors' own .grad and
-  attributes, bound methods and closures, the hooks registered on tensors, and the
-  globals and class attributes of the learner's module. Optimizer state kept anywhere the
-  optimizer can reach is found, not only in self.state.
-- `graph_saved(output, ...)`: every tensor the autograd graph behind `output` holds for
-  backward: each node's saved tensors (the `_saved_*` attributes of torch's nodes, which
-  unpack through whatever hooks were in force, so the count is of what backward gets),
-  and a custom Function's saved_tensors and everything its ctx holds.
-- `alive()`: the storages of every tensor object alive in the process (after a
-  collection); `born_during()`: those of the tensor objects made inside a block and still
-  alive after it: what was stashed somewhere no walk starts from.
-
-Sizes are of storages (distinct memory), by the storage's address.
+`reachable(roots)`: every tensor reachable from some objects (attributes, containers,
+.grad, closures, bound methods, the learner module's globals); `graph_saved(output)`: what
+the autograd graph behind `output` holds for backward; `born_during()`: the tensors made
+inside a block and still alive after it. Sizes are of storages, by the storage's address.
 """
 
 from __future__ import annotations
@@ -28,7 +15,14 @@ import types
 
 import torch
 
-from exercises._traffic import tensors_in
+
+def tensors_in(x) -> list:
+    """The tensors in x: a tensor, or lists and tuples of them (nested)."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for y in x for t in tensors_in(y)]
+    return []
 
 
 def key(t: torch.Tensor) -> tuple[int, int]:
@@ -171,12 +165,6 @@ def graph_saved(output: torch.Tensor, stop=(), modules=()) -> dict:
         for nxt, _ in node.next_functions:
             todo.append(nxt)
     return found
-
-
-def alive() -> dict:
-    """{storage address: (bytes, tensor)} of every tensor object alive now."""
-    gc.collect()
-    return _tensors_of(gc.get_objects())
 
 
 def _tensors_of(objects) -> dict:

@@ -1,45 +1,28 @@
-"""Run graded parts of an exercise in processes of minidist.launch's shared pools.
+"""Run graded parts of an exercise on the ranks of minidist's shared process pools.
 
-Multi-process checks (exercises 03 to 08) share this: starting processes is the slow part
-(seconds per launch on a small CPU), so one call per world size runs every "part" (a
-function `part(fns, rank, world_size) -> picklable result`, one per thing to measure)
-and the checks read their results from a cache, computed once per implementation. The
-calls go to `minidist.run.pool.shared_pool`: processes started for one grading serve the
-next (the next exercise, or the next implementation a test grades), each call in a new
-process group; a call that fails stops them, and the next call starts fresh ones.
-
-A part that hangs or crashes may leave messages in flight that would corrupt whatever
-runs after it, so its launch stops there: after a crash a fresh launch runs the parts
-after it; after a hang they are not run (they would most likely hang as well, each
-costing the whole timeout), and fail saying why. The gloo process group's timeout turns
-a rank that waits on a message forever into an error, and a watchdog does the same for a
-rank stuck in Python (an endless loop). A part that fails at one world size is not run
-at the next: its check fails at the first world size that goes wrong anyway.
-
-Every part runs under the exercise's rules (exercises/_rules.py) and inside a recording of
-this rank's traffic (exercises/_traffic.py): every collective and message, seen below
-torch.distributed's Python, with its kind, bytes, peer and a copy of what it sends, which
-the part reads with `traffic()`; data moved any other way (a process group of the
-learner's own, a backend object, the store) breaks a rule and the part scores 0, naming
-what was seen. `watching_process_groups` hands each call to a recorder of the grader's
-(exercises 10 and 11).
+Starting processes is the slow part, so one call per world size runs every "part" (a
+function `part(fns, rank, world_size) -> picklable result`) and the checks read the results
+from a `Cache`, computed once per implementation. Each part runs under the exercise's rules
+(rules.py; a part reads its collectives with `events()`). A part that hangs or crashes
+may leave messages in flight, so its launch stops there: after a crash a fresh launch runs
+the parts after it; after a hang they are not run and fail saying why. gloo's timeout ends
+a wait on a message that never comes, a watchdog a rank stuck in Python. A part that fails
+at one world size is not run at the next.
 """
 
 from __future__ import annotations
 
 import _thread
-import contextlib
 import os
 import pickle
 import sys
 import tempfile
 import threading
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
-from exercises import _rules, _traffic
+from exercises.grader.rules import current, watch
 from minidist.launch import LaunchError
 from minidist.run.pool import shared_pool
 
@@ -70,17 +53,15 @@ def _hung(why: str) -> bool:
 def _run_part(part, fns: dict, r: int, n: int, timeout_s: float, hang_hint: str,
               rules=None):
     """("ok", result) | ("notimpl", hint) | ("rule", what was used) | ("error", why), on
-    this rank. The exercise's rules are watched for the whole part (exercises/_rules.py):
-    a part that used a forbidden API scores 0, whatever else it did."""
-    # gloo's timeout ends a wait on a message that never comes; this ends what it cannot
-    # see, such as a loop polling work.is_completed() forever
+    this rank, under the exercise's rules."""
+    # gloo's timeout ends a wait on a message; this, a loop polling work.is_completed()
     limit = timeout_s + 10
     watchdog = threading.Timer(limit, _thread.interrupt_main)
     watchdog.daemon = True
     watchdog.start()
     w = None
     try:
-        with _rules.watching(rules) as w, _traffic.recording(w, rules):
+        with watch(rules) as w:
             try:
                 outcome = "ok", part(fns, r, n)
             except NotImplementedError as e:
@@ -100,11 +81,9 @@ def _run_part(part, fns: dict, r: int, n: int, timeout_s: float, hang_hint: str,
 
 def _worker(fns: dict, parts: list, timeout_s: float, hang_hint: str, progress: str,
             rules=None) -> dict:
-    """Run `parts` [(name, function)] in order on this rank; return {name: [outcome of
-    each rank]}. After each part rank 0 appends its outcome to the file `progress` (one
-    record a part, so the cost grows with the parts, not their square): when a part hangs or
-    a rank dies, launch raises and returns nothing, and the parent learns from the file
-    which parts finished."""
+    """Run `parts` [(name, function)] in order on this rank: {name: [each rank's outcome]}.
+    Rank 0 appends each outcome to `progress`, where the parent finds what finished when a
+    launch fails."""
     r, n = dist.get_rank(), dist.get_world_size()
     done = {}
     for name, part in parts:
@@ -133,9 +112,8 @@ def _write(path: str, obj) -> None:
 
 
 def _cause(progress: str, n: int, why: str) -> str:
-    """Why the launch whose progress file is `progress` failed: a rank's own account of a
-    hang (or, when the launch reports a connection its peer closed, of any failure), read
-    from the files ranks write before they leave, whichever rank was heard first."""
+    """Why the launch failed: a rank's own account of a hang (or of any failure, when a
+    peer's closed connection was heard first), from the files ranks write before leaving."""
     told = {}
     for r in range(n):
         try:
@@ -164,7 +142,10 @@ def run_all(parts: dict, fns: dict, world_sizes, timeout_s: float, hang_hint: st
     """{(part name, world size): ("ok", [per-rank results]) | ("notimpl", hint) |
     ("error", why)} for the parts `parts` ({name: function}) at each world size:
     `world_sizes` lists them (every part at each), or maps each to the part names to run.
-    `rules` (an exercises._rules.Rules) is watched in every part."""
+    `rules` (an exercises.grader.rules.Rules; by default those of the check that asks) is
+    watched in every part."""
+    if rules is None and current() is not None:  # the rules of the check asking
+        rules = current().rules
     plan = world_sizes if isinstance(world_sizes, dict) else {n: list(parts) for n in world_sizes}
     results, failed = {}, {}  # failed: {part: (world size, its result there)}
     with tempfile.TemporaryDirectory(prefix="minidist-grade-") as tmp:
@@ -221,9 +202,8 @@ def _load(progress: str) -> dict:
 
 
 class Cache:
-    """Results of `run_all`, computed once per implementation: the key holds the
-    functions themselves (and whatever else changes the run), so the stubs, the reference
-    and a test's mistakes never share results, and no function is freed and its id reused."""
+    """Results of `run_all`, once per implementation: the key holds the functions themselves
+    (so no function is freed and its id reused) and whatever else changes the run."""
 
     def __init__(self):
         self.key, self.results = None, None
@@ -241,8 +221,8 @@ def per_world_size(results: dict, part: str, world_sizes):
         kind, payload = results.get((part, n), ("error", "not run"))
         if kind == "notimpl":
             raise NotImplementedError(payload)
-        if kind == "rule":
-            raise AssertionError(f"on {n} ranks: {payload} (this part scores 0)")
+        if kind == "rule":  # the message says on which rank of how many
+            raise AssertionError(f"{payload} (this part scores 0)")
         if kind == "error":
             raise AssertionError(f"on {n} ranks: {payload}")
         yield n, payload
@@ -256,53 +236,12 @@ def first_problem(problems) -> None:
 
 
 def skip_dynamo_import() -> None:
-    """torch.optim.Optimizer wraps add_param_group (which __init__ calls), zero_grad and
-    the state dicts in torch._disable_dynamo, which imports torch._dynamo on their first
-    call, only to switch off a compiler that nothing here runs: seconds per rank on a
-    small CPU. Mark them as switched off already (the attribute that wrapper caches), so
-    the wrappers call them directly. Called in graded ranks only; a torch whose wrappers
-    look different is left alone."""
+    """torch.optim.Optimizer's methods import torch._dynamo on their first call (seconds per
+    rank) only to switch off a compiler nothing here runs: mark them switched off already.
+    A torch whose wrappers look different is left alone."""
     if "torch._dynamo" in sys.modules:
         return
     for name in ("add_param_group", "zero_grad", "state_dict", "load_state_dict"):
         raw = getattr(getattr(torch.optim.Optimizer, name, None), "__wrapped__", None)
         if callable(raw) and not hasattr(raw, "__dynamo_disable"):
             setattr(raw, "__dynamo_disable", raw)
-
-
-def preflight(probe, *fns):
-    """A checks module's probe of the learner's functions (a stub's hint without a launch),
-    run where the learner's code may run (exercises/_learner.py)."""
-    from exercises import _learner
-    return _learner.preflight(probe, *fns)
-
-
-def traffic() -> "_traffic.Traffic":
-    """The recording of the part running on this rank (exercises/_traffic.py): every
-    collective and message of the learner's code, with kind, bytes, peer and content."""
-    t = _traffic.current()
-    if t is None:
-        raise RuntimeError("no part is being recorded on this rank")
-    return t
-
-
-@contextmanager
-def watching_process_groups(on_call, names):
-    """Inside: every call of one of `names` (ProcessGroup method names: collectives, send,
-    recv, ...) first calls on_call(pg, name, args), args as the method takes them less the
-    group. It is the part's recording (exercises/_traffic.py), below torch.distributed's
-    Python: a learner's call reaches it however it was made (dist.*, the group's own
-    methods, torch.ops.c10d, the functional collectives); a call on a backend object
-    directly, the store or a group of the learner's own trips the part's watch there."""
-    wanted = set(names)
-
-    def listen(e):
-        if e.op in wanted:
-            on_call(e.pg, e.op, e.args)
-    with contextlib.ExitStack() as stack:
-        t = _traffic.current() or stack.enter_context(_traffic.recording(_rules.current()[0]))
-        t.listeners.append(listen)
-        try:
-            yield t
-        finally:
-            t.listeners.remove(listen)

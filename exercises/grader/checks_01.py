@@ -1,4 +1,4 @@
-"""Graded checks of exercise 01 (exercises/01_gpt.py), registered with exercises.grade.
+"""Graded checks of exercise 01 (exercises/01_gpt.py), registered with the grader.
 
 Each check builds its oracle here: a real GPT whose parameters are counted by identity, a
 FLOP count measured by torch's FlopCounterMode, a formula written out independently.
@@ -8,25 +8,46 @@ from __future__ import annotations
 
 import torch
 
-from exercises import _rules
-from exercises.grade import check
+from exercises.grader import Rules, check
 from minidist.model import GPT, PRESETS, GPTConfig
 
-# The exercise's rule, watched in every check while the learner's code runs
-# (exercises/_rules.py): the formulas work from the config; the models are the grader's.
-# minidist's modules for this exercise's idea: the learner's file may not name them
-# (exercises/_filecheck.py reads it before anything runs)
-IDEA_MODULES = ("minidist.metrics", "minidist.model.config_num_params", "minidist.model.flops_per_token")
-IDEA_ALLOWED = ("minidist.model.GPTConfig",)  # what the stub itself imports
-RULES = _rules.Rules(apis={"minidist.model.GPT": (
-    "exercise 01 works from the config alone: build no model (the grader builds them, to "
-    "check your formula; at GPT-2 XL's size a real one takes 6 GB)")})
+# The formulas work from the config; the models are the grader's (its calls are not judged).
+_OWN = "exercise 01 writes this count itself, from the config"
+RULES = Rules(forbidden={
+    "minidist.model:GPT": ("exercise 01 works from the config alone: build no model (the grader "
+                           "builds them, to check your formula; at GPT-2 XL's size a real one takes 6 GB)"),
+    "minidist.model:config_num_params": _OWN, "minidist.model:flops_per_token": _OWN,
+    "minidist.metrics:mfu": _OWN})
+
+# Tiered hints: a question, a nudge, the idea.
+_COUNT = [
+    "Which Parameters does GPT.__init__ in minidist/model.py create, and what is the shape "
+    "of each in terms of the config?",
+    "An nn.Linear(a, b) holds a*b weights and, with bias, b biases; a LayerNorm of width d "
+    "a gain and, with bias, a bias. Is lm_head a Parameter of its own?",
+    "Add the token table (vocab_size x n_embd), the position table (block_size x n_embd), "
+    "n_layer blocks (two LayerNorms, attention's qkv and output projections, the MLP's two "
+    "matrices) and the final LayerNorm; the head is the token table, counted once.",
+]
+_FLOPS = [
+    "Which of the parameters take part in a matmul, and which are only looked up?",
+    "N is count_params(cfg) less the position table (a lookup does no arithmetic; the token "
+    "table counts, as the tied head is a matmul). The attention term grows with seq_len, "
+    "not block_size.",
+    "6 = 2 FLOPs per multiply-add forward + 4 backward (gradients of the input and of the "
+    "weight). 12*L*T*d is attention's own work: q @ k^T and the weighted sum of values, "
+    "2*T*d each per token and layer forward, three times that with backward.",
+]
+_MFU = [
+    "What FLOP/s does the model achieve, given its FLOPs per token and the tokens per second?",
+    "tokens_per_s is the whole run's: divide by the peak of all the devices together.",
+    "With no known peak (None or 0) there is no honest ratio: return None, not 0.",
+]
 
 
 def _gpt(cfg: GPTConfig) -> GPT:
-    """The grader's own model, the oracle: exempt from the rule it enforces."""
-    with _rules.exempt():
-        return GPT(cfg)
+    """The grader's own model, the oracle."""
+    return GPT(cfg)
 
 
 def _distinct_params(model: torch.nn.Module, skip: tuple = ()) -> int:
@@ -46,7 +67,8 @@ _CONFIGS_01 = [
 ]
 
 
-@check("01", points=2, name="count_params == GPT(cfg) for 5 small configs (bias on/off)")
+@check("01", points=2, name="count_params == GPT(cfg) for 5 small configs (bias on/off)",
+       hints=_COUNT)
 def _count_small(impl):
     for cfg in _CONFIGS_01:
         got = impl.count_params(cfg)  # the student's answer first: a stub fails fast
@@ -54,7 +76,8 @@ def _count_small(impl):
         assert got == want, f"{cfg}: got {got}, GPT(cfg) has {want} distinct parameters"
 
 
-@check("01", points=1, name="count_params == GPT(cfg) for every preset, tiny to gpt3-6.7b")
+@check("01", points=1, name="count_params == GPT(cfg) for every preset, tiny to gpt3-6.7b",
+       hints=_COUNT)
 def _count_presets(impl):
     for preset, kw in PRESETS.items():
         cfg = GPTConfig(**kw)
@@ -64,7 +87,8 @@ def _count_presets(impl):
         assert got == want, f"preset {preset}: got {got}, GPT has {want} distinct parameters"
 
 
-@check("01", points=2, name="flops_per_token == 6*N + 12*L*T*d, N from the built model")
+@check("01", points=2, name="flops_per_token == 6*N + 12*L*T*d, N from the built model",
+       hints=_FLOPS)
 def _flops_exact(impl):
     for cfg in _CONFIGS_01:
         N = None
@@ -96,7 +120,8 @@ def _measured_flops_per_token(cfg: GPTConfig, T: int) -> float:
     return _MEASURED[repr(cfg), T]
 
 
-@check("01", points=2, name="flops_per_token within 3% of FlopCounterMode (fwd+bwd)")
+@check("01", points=2, name="flops_per_token within 3% of FlopCounterMode (fwd+bwd)",
+       hints=_FLOPS)
 def _flops_measured(impl):
     # 6N also charges 6 FLOPs to each LayerNorm gain and bias, which do no matmul: under
     # 1.5% of the total in these configs. So 3% passes the estimate and fails the usual
@@ -112,7 +137,8 @@ def _flops_measured(impl):
                              f"per token ({err:.1%} off, 3% allowed)")
 
 
-@check("01", points=1, name="mfu: achieved / peak of all devices; None without a peak")
+@check("01", points=1, name="mfu: achieved / peak of all devices; None without a peak",
+       hints=_MFU)
 def _mfu(impl):
     # GPT-2 small at 1M tokens/s on 8 GPUs of 989 TFLOP/s, and a slow CPU run.
     for fpt, tps, peak, n in [(7.5e8, 1.0e6, 989.4e12, 8), (1.2e6, 3.0e3, 2.0e11, 1)]:
@@ -122,49 +148,3 @@ def _mfu(impl):
     for peak in (None, 0, 0.0):
         got = impl.mfu(1e6, 1e3, peak, 1)
         assert got is None, f"mfu with peak_flops={peak!r}: got {got}, want None (unknown peak)"
-
-
-# Tiered hints, shown one at a time by `python -m exercises.grade 01 --hint` (moved out of the stub, which poses the problem).
-_COUNT = (
-    "count_params: count every Parameter once: the token embedding (vocab_size x n_embd), "
-    "the position table (block_size x n_embd), per block two LayerNorms, the qkv and output "
-    "projections of attention and the two MLP matrices, then the final LayerNorm. The head "
-    "is tied to the token embedding, so it adds nothing. cfg.bias switches the biases of "
-    "every Linear and LayerNorm on or off (a LayerNorm always has its gain).")
-_FLOPS = (
-    "flops_per_token, where the terms come from: 6 = 2 FLOPs per multiply-add in the "
-    "forward matmul, 4 in the backward (gradients with respect to the input and to the "
-    "weight). The token table counts in N (as the tied head it is a matmul); the position "
-    "table does not (a lookup does no arithmetic). 12 * L * T * d is attention's own work "
-    "(scores q @ k^T and the weighted sum of values, each 2 * T * d per token per layer "
-    "forward, times 3 with backward), counted over the full T x T square although the "
-    "causal mask leaves half of it unused.")
-
-HINTS = {
-    "_count_small": [
-        'count_params: walk GPT.__init__ in minidist/model.py and add up the shape of '
-        'each Parameter from the config (an nn.Linear(a, b) holds a*b weights and b '
-        'biases; a LayerNorm a gain and, with bias, a bias); the tied head adds nothing',
-        _COUNT,
-    ],
-    "_count_presets": [
-        'count_params: walk GPT.__init__ in minidist/model.py and add up the shape of '
-        'each Parameter from the config (an nn.Linear(a, b) holds a*b weights and b '
-        'biases; a LayerNorm a gain and, with bias, a bias); the tied head adds nothing',
-        _COUNT,
-    ],
-    "_flops_exact": [
-        _FLOPS,
-        'flops_per_token: N is count_params(cfg) less the position table; the attention'
-        ' term grows with seq_len (not block_size)',
-    ],
-    "_flops_measured": [
-        _FLOPS,
-        'flops_per_token: N is count_params(cfg) less the position table; the attention'
-        ' term grows with seq_len (not block_size)',
-    ],
-    "_mfu": [
-        'mfu: the FLOP/s the model achieves over the peak FLOP/s of all the devices '
-        'together; None when peak_flops is None or 0',
-    ],
-}
