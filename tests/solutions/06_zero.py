@@ -1,42 +1,5 @@
-"""Exercise 06: ZeRO-1 (optimizer state sharded over ranks), then ZeRO-2 (gradients too).
-
-Read chapters/06_zero.md, section 2 "Stage 1: the optimizer state" and section 3 "Stage 2:
-the gradients". An elementwise optimizer (AdamW: 8 bytes of state per fp32 element)
-updates each element on its own, so rank r needs the state, and the averaged gradient, of
-only its 1/N of the elements. The layout (the Unit buckets, see ShardedOptimizer's
-docstring) is written for you. Write, replacing each `raise NotImplementedError(...)`:
-
-  part 1, ZeRO-1: _shard_param_groups, _take_local_gradients, _all_gather, step, zero_grad
-  part 2, ZeRO-2: _reduce_scatter, _on_grad, _reduce, _end_of_backward,
-                  finish_gradient_synchronization
-  find the bug:   ShardedGradAccumulator (end of the file): shipped code whose models,
-                  trained with gradient accumulation, learn as if from a fraction of the data
-
-Used like torch's ZeroRedundancyOptimizer (stage 1, gradients averaged beforehand), or
-averaging the gradients itself (reduce_gradients=True, or stage=2, no DDP):
-
-    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
-    opt = ShardedOptimizer(groups, torch.optim.AdamW, stage=2, module=model, lr=1e-3)
-    loss.backward(); opt.step(); opt.zero_grad()
-
-What is graded (a small GPT with a frozen parameter, a tied embedding and three param
-groups, two steps on 2 and 3 ranks, each rank on its slice of every batch):
-- ZeRO-1 (gradients averaged beforehand): parameters == one process on the whole batch;
-  param_groups[i] is the i-th group passed in, on every rank
-- optimizer state: AdamW's 8 bytes per element of this rank's shard only, wherever kept
-- ZeRO-1 with reduce_gradients=True, and ZeRO-2, with accumulation: == one process
-- ZeRO-2 gradient memory: full gradients freed during backward, only the shards kept
-- bytes: a reduce-scatter of each unit per backward (none inside no_sync() at stage 1) and
-  an all-gather per step; on minidist's ring each sends (N-1)/N of the unit's bytes
-- reduce order: units reduce-scattered in unit index order, whatever order backward ends them
-- find the bug: ShardedGradAccumulator's shard == its slice of the whole batch's gradient
-
-Rules: no torch ZeroRedundancyOptimizer, FSDP (fully_shard, FullyShardedDataParallel) or DistributedDataParallel (see the README, "Exercises and grading").
-
-Grade with `python -m exercises.grade 06` (it starts 2 and 3 processes); `--hint` gives a
-hint for the first failing check, `--reference` grades minidist's version (full marks).
-To experiment: `minidist.launch.launch(fn, 2, *args)` runs fn on 2 processes.
-"""
+"""Exercise 06 solved the way chapter 06 teaches, written apart from minidist's module
+(tests/test_exercises.py grades it: full marks)."""
 
 from __future__ import annotations
 
