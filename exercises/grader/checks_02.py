@@ -61,13 +61,10 @@ def _oracle_sum(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _sum_problem(got: torch.Tensor, exact: torch.Tensor, scale: torch.Tensor, n: int,
                  where: str) -> str | None:
-    """None when `got` is the sum within tolerance, else what differs.
-
-    A sum of N terms rounded to the dtype after each of its N-1 additions (the ring does
-    at each hop) and once more at the end is off by at most N roundings, each at most
-    u * sum|x| (u: 2^-24 for float32, 2^-8 for bfloat16), whatever the order. We allow
-    twice that, 2 * N * u * sum|x|; a missing or doubled term is off by a whole |x_i|.
-    """
+    """None when `got` is the sum within tolerance, else what differs. A sum of N terms
+    rounded at each of the ring's N-1 additions and once at the end is off by at most N
+    roundings of u * sum|x| each (u: 2^-24 fp32, 2^-8 bf16), in any order; we allow twice
+    that. A missing or doubled term is off by a whole |x_i|."""
     allowed = 2 * n * _UNIT_ROUNDOFF[got.dtype] * scale
     bad = ~((got.double() - exact).abs() <= allowed)  # written so that NaN counts as bad
     if not bad.any():
@@ -194,6 +191,12 @@ def _per_world_size(impl, part: str):
 
 # --------------------------------------------------------------------- the checks
 
+def _first_problem(impl, part: str, key: str) -> None:
+    """Fail with the first problem any rank found in `part`'s results under `key`."""
+    for _, per_rank in _per_world_size(impl, part):
+        first_problem(p for res in per_rank for p in res[key])
+
+
 @check("02", points=2, name="ring_reduce_scatter: rank r gets chunk r summed (2, 3 ranks, uneven chunks)",
        hints=["Which chunk must rank r send at the first step so that, travelling right and "
               "picking up one rank's contribution per hop, chunk r ends its trip at rank r? "
@@ -205,8 +208,7 @@ def _per_world_size(impl, part: str):
               "on either: if every rank first calls a blocking send, every rank waits for a "
               "receive nobody has posted (chapter 02, section 2)."])
 def _reduce_scatter(impl):
-    for _, per_rank in _per_world_size(impl, "reduce_scatter"):
-        first_problem(p for res in per_rank for p in res["problems"])
+    _first_problem(impl, "reduce_scatter", "problems")
 
 
 @check("02", points=2, name="ring_all_gather: every rank gets every chunk (2, 3 ranks, uneven chunks)",
@@ -217,8 +219,7 @@ def _reduce_scatter(impl):
               "Receive straight into the list's tensor for that chunk: no scratch tensor, "
               "nothing to add."])
 def _all_gather(impl):
-    for _, per_rank in _per_world_size(impl, "all_gather"):
-        first_problem(p for res in per_rank for p in res["problems"])
+    _first_problem(impl, "all_gather", "problems")
 
 
 @check("02", points=2, name="all_reduce float32 == torch's (1 to 4099 elements, 2-D), in place",
@@ -229,8 +230,7 @@ def _all_gather(impl):
               "With more ranks than elements some chunks are empty; sending an empty tensor "
               "is fine when both sides do it. Return `tensor`, not a new one."])
 def _all_reduce_fp32(impl):
-    for _, per_rank in _per_world_size(impl, "all_reduce"):
-        first_problem(p for res in per_rank for p in res["float32"])
+    _first_problem(impl, "all_reduce", "float32")
 
 
 @check("02", points=1, name="all_reduce bfloat16 == torch's, within 2N roundings",
@@ -238,8 +238,7 @@ def _all_reduce_fp32(impl):
               "else lost, or added twice?",
               "Send the native dtype: converting to float32 for the wire doubles the bytes."])
 def _all_reduce_bf16(impl):
-    for _, per_rank in _per_world_size(impl, "all_reduce"):
-        first_problem(p for res in per_rank for p in res["bfloat16"])
+    _first_problem(impl, "all_reduce", "bfloat16")
 
 
 @check("02", points=1, name="the ring's direction: sends go to (r+1) % N, receives come from (r-1) % N",
