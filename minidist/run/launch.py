@@ -182,11 +182,13 @@ def choose_backend(world_size, backend, device):
 
 def _context():
     """A fork server (one clean process that imported torch once) forks each child in
-    milliseconds, without the caller's threads and CUDA state; spawn where there is none."""
+    milliseconds, without the caller's threads and CUDA state; spawn where there is none.
+    It imports torch._dynamo too: torch.optim's methods import it on their first call (a
+    second or more per rank, in every rank of every launch), so it is imported once here."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
     return ctx
 
 
