@@ -200,6 +200,7 @@ def _child(run, impl, out_fd: int, wfd: int, check_name: str) -> None:
 def run_apart(run, check_name: str, impl: SimpleNamespace, limit_s: float) -> tuple[bool, str, str]:
     """(passed, message, what the learner's code printed): `run(real impl)` -> (ok, msg)
     in a forked child, stopped after `limit_s` seconds."""
+    import torch._dynamo  # noqa: F401 - torch.optim imports it on first use: once here, not per child
     out = tempfile.TemporaryFile()
     rfd, wfd = os.pipe()
     for stream in (sys.stdout, sys.stderr):

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
 from torch.utils import flop_counter
 
-from exercises.grader import Cache, Rules, check, events, per_world_size, run_all, skip_dynamo_import
+from exercises.grader import Cache, Rules, check, events, per_world_size, run_all
 from exercises.grader.rules import METHODS
 
 _ORACLE = "exercise 07 writes Newton-Schulz and Muon: torch's are the grader's oracles"
@@ -146,7 +146,6 @@ _DIST_HINTS = ["On N ranks, how can every rank know, without asking, which rank 
 
 
 def _drive(cls, kw, missing, shapes=SHAPES, steps=STEPS, step=lambda do: do()):  # trajectory, momenta, state
-    skip_dynamo_import()
     opt, trajectory = cls(ps := [torch.nn.Parameter(m) for m in _mats(shapes, 0)], **{**DEFAULTS, **kw}), []
     for t in range(steps):
         for i, (p, grad) in enumerate(zip(ps, _mats(shapes, 100 + t))):

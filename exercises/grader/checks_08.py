@@ -15,7 +15,7 @@ from unittest import mock
 import torch
 from torch.utils._pytree import tree_leaves
 
-from exercises.grader import Cache, Rules, check, first_problem, per_world_size, run_all, skip_dynamo_import
+from exercises.grader import Cache, Rules, check, first_problem, per_world_size, run_all
 from exercises.grader.apart import preflight
 from minidist import checkpoint
 from minidist.model import GPT, GPTConfig
@@ -109,7 +109,6 @@ class _AdamW(torch.optim.AdamW):
 
 
 def _setup(stage: int, seed: int = 0):  # on a rank: GPT(CFG), seed 0, its ZeRO AdamW; then the RNG at seed
-    skip_dynamo_import()
     torch.manual_seed(0)
     model = GPT(GPTConfig(**CFG))
     torch.manual_seed(seed)

@@ -15,11 +15,9 @@ from __future__ import annotations
 import _thread
 import os
 import pickle
-import sys
 import tempfile
 import threading
 
-import torch
 import torch.distributed as dist
 
 from exercises.grader.rules import current, watch
@@ -233,15 +231,3 @@ def first_problem(problems) -> None:
     for p in problems:
         if p:
             raise AssertionError(p)
-
-
-def skip_dynamo_import() -> None:
-    """torch.optim.Optimizer's methods import torch._dynamo on their first call (seconds per
-    rank) only to switch off a compiler nothing here runs: mark them switched off already.
-    A torch whose wrappers look different is left alone."""
-    if "torch._dynamo" in sys.modules:
-        return
-    for name in ("add_param_group", "zero_grad", "state_dict", "load_state_dict"):
-        raw = getattr(getattr(torch.optim.Optimizer, name, None), "__wrapped__", None)
-        if callable(raw) and not hasattr(raw, "__dynamo_disable"):
-            setattr(raw, "__dynamo_disable", raw)
