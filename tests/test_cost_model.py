@@ -6,7 +6,6 @@ training: the other benchmarks are stubs here; tests/test_bench.py runs them).""
 
 import json
 import math
-import sys
 
 import pytest
 
@@ -14,7 +13,6 @@ from minidist import cost_model as cm
 from minidist import memory as M
 from minidist.bench import __main__ as cli, collectives, scale
 from minidist.model import GPT, PRESETS, GPTConfig, config_num_params, num_params
-from conftest import run
 
 NS = [1, 2, 3, 4, 7, 8, 9, 16, 64, 1000, 1024]
 TINY = GPTConfig(**PRESETS["tiny"], vocab_size=2048)
@@ -205,15 +203,15 @@ def test_comparison_with_this_machine_uses_the_fit(tmp_path):
     assert no_overlap["model"] == pytest.approx(1e3 * (k * 2 * alpha + S * beta), rel=1e-6)
 
 
-def test_scale_benchmark_quick(tmp_path):
-    r = run([sys.executable, "-m", "minidist.bench", "scale", "--quick", "--out", str(tmp_path)], timeout=120)
-    assert r.returncode == 0, r.stderr
+def test_scale_benchmark_quick(tmp_path, capsys):
+    cli.main(["scale", "--quick", "--out", str(tmp_path)])  # the command's entry, in this process
+    printed = capsys.readouterr().out
     result = json.loads((tmp_path / "scale.json").read_text())
     assert {(x["model"], x["n"], x["strategy"]) for x in result["rows"]} == {
         (m, n, s) for m in ("124M", "7B") for n in (8, 64, 1024) for s in cm.STRATEGIES}
     assert all(0 < x["efficiency"] <= 1 for x in result["rows"])
     assert (tmp_path / "scale.png").read_bytes()[:4] == b"\x89PNG"
-    assert "| 7B | 1024 | ZeRO-3 |" in r.stdout
+    assert "| 7B | 1024 | ZeRO-3 |" in printed
 
 
 def _stub(name, fail=False):

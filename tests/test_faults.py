@@ -30,6 +30,16 @@ def _torchrun(out, *extra, restarts=0, fault=None):
     return run(cmd, timeout=300, env={"MINIDIST_FAULT": fault} if fault else {"MINIDIST_FAULT": ""})
 
 
+def _whole(out):
+    """The uninterrupted run, as an oracle: train_gpt's main on 2 launched ranks (the
+    arithmetic torchrun's ranks do, without starting torchrun and its workers)."""
+    import os
+    from minidist import train_gpt
+    train_gpt.cleanup = lambda: None  # launch ends the group
+    os.environ["MINIDIST_FAULT"] = ""
+    train_gpt.main([*TINY, "--out-dir", out])
+
+
 def _final(out):
     state = checkpoint.Reader(checkpoint.latest(out / "checkpoints")).consolidated()
     losses = [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
@@ -38,13 +48,13 @@ def _final(out):
 
 
 def test_killed_rank_and_killed_save_resume_exactly(tmp_path):
-    """Three jobs, each kill once: the uninterrupted run; a run whose rank 1 is killed while
-    writing step 4's checkpoint (no restart: the job fails); and that run started again by
-    hand, whose rank 1 is killed after step 5 and which torchrun restarts. The last job
-    resumes twice (from the killed save's predecessor, then from a checkpoint a resumed
-    run wrote) and must end bitwise where the uninterrupted run ends."""
-    r = _torchrun(tmp_path / "whole")
-    assert r.returncode == 0, r.stderr
+    """The uninterrupted run on 2 launched ranks; then two torchrun jobs, each killing once:
+    a run whose rank 1 is killed while writing step 4's checkpoint (no restart: the job
+    fails); and that run started again by hand, whose rank 1 is killed after step 5 and
+    which torchrun restarts. The last job resumes twice (from the killed save's
+    predecessor, then from a checkpoint a resumed run wrote) and must end bitwise where
+    the uninterrupted run ends."""
+    launch(_whole, 2, str(tmp_path / "whole"), timeout_s=300)
     whole, whole_losses = _final(tmp_path / "whole")
     assert len(whole_losses) == 6
     scales = [r["loss_scale"] for r in map(json.loads, (tmp_path / "whole" / "metrics.jsonl")
@@ -74,16 +84,17 @@ def test_killed_rank_and_killed_save_resume_exactly(tmp_path):
     assert not (out / "checkpoints" / ".tmp_step_00000004").exists()
 
 
-def test_resume_refuses_other_settings_before_any_work(tmp_path):
+def test_resume_refuses_other_settings_before_any_work(tmp_path, capsys):
+    from minidist import train_gpt
     out = tmp_path / "run"
     (out / "checkpoints" / "step_00000002").mkdir(parents=True)
     meta = {"format": 1, "step": 2, "world_size": 2, "optimizers": [], "scaler": {},
             "extra": {"settings": {"lr": 0.5, "n_layer": 2}}}
     (out / "checkpoints" / "step_00000002" / "meta.json").write_text(json.dumps(meta))
-    r = run(["python", "minidist/train_gpt.py", *TINY, "--out-dir", str(out), "--resume", "auto"])
-    assert r.returncode != 0 and "lr: 0.5 saved" in r.stderr and "Traceback" not in r.stderr
-    r = run(["python", "minidist/train_gpt.py", *TINY, "--out-dir", str(out)])  # no --resume
-    assert r.returncode != 0 and "--resume auto continues it" in r.stderr
+    for extra, says in ((["--resume", "auto"], "lr: 0.5 saved"), ([], "--resume auto continues it")):
+        with pytest.raises(SystemExit) as e:  # train_gpt's main, in this process: the same checks
+            train_gpt.main([*TINY, "--out-dir", str(out), *extra])
+        assert e.value.code == 2 and says in capsys.readouterr().err
 
 
 def _diverge(how, timeout_s):
