@@ -8,6 +8,7 @@ r-1; a reduce-scatter phase of N-1 steps leaves chunk r summed on rank r, an all
 phase of N-1 more passes the finished chunks around, so each rank sends (N-1)/N of the
 data per phase, whatever N is. `all_reduce_pipelined`: the same bits, in segments, so that
 additions hide behind transfers. Half precision is rounded once per hop, as NCCL does.
+`all_to_all`: pairwise exchange, block i to rank i (context and expert parallelism).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from minidist.dist import default_timeout_s
+from minidist.comm_pipelined import pipelined_ring
+from minidist.dist import default_timeout_s, group_timeout
 
 # ------------------------------------------------------------------ counting, messages
 
@@ -52,18 +54,24 @@ def _isend(t: torch.Tensor, dst: int, name: str):
     return dist.isend(t, dst)
 
 
-def _wait(work, verb: str, peer: int, name: str, step: str) -> None:
-    """Wait for one posted message, within the timeout; a failure names the collective,
-    the step, this rank and the peer."""
+def wait(work, where: str, timeout: timedelta | None = None, hint: str = "") -> None:
+    """Wait for one posted message within `timeout` (the run's: the default group's); a
+    failure is an error that says `where` (this rank, the peer, what it was doing)."""
+    timeout = group_timeout() if timeout is None else timeout
     try:
-        work.wait(timedelta(seconds=default_timeout_s()))
+        work.wait(timeout)
     except RuntimeError as e:
-        where = f"{name}: {step}: rank {dist.get_rank()} could not {verb} rank {peer}"
         if "timed out" in str(e).lower() or "timeout" in str(e).lower():
             # (gloo's own message, chained below, adds only its source file and line)
-            raise TimeoutError(f"{where} within {default_timeout_s():.0f}s; did every "
-                               "rank call the same collective?") from e
+            raise TimeoutError(f"{where} within {timeout.total_seconds():g}s{hint}") from e
         raise RuntimeError(f"{where}: {e}") from e  # e.g. the peer died
+
+
+def _wait(work, verb: str, peer: int, name: str, step: str) -> None:
+    """wait() for a collective's message, MINIDIST_TIMEOUT (read as it waits) or the run's."""
+    wait(work, f"{name}: {step}: rank {dist.get_rank()} could not {verb} rank {peer}",
+         timedelta(seconds=default_timeout_s(group_timeout().total_seconds())),
+         "; did every rank call the same collective?")
 
 
 def _exchange(send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int,
@@ -226,65 +234,63 @@ def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     return tensor
 
 
+# ------------------------------------------------------------------ all-to-all
+
+def isend(t: torch.Tensor, dst: int, name: str):
+    """Post a send to global rank dst, counted under `name` (ring attention's messages)."""
+    return _isend(t, dst, name)
+
+
+def _blocks(t: torch.Tensor, sizes, n: int, what: str) -> list[torch.Tensor]:
+    rows = t.shape[0] if t.dim() else 0
+    sizes = [rows // n] * n if sizes is None and rows % n == 0 else sizes
+    if sizes is None or len(sizes) != n or sum(sizes) != rows or min(sizes) < 0:
+        raise ValueError(f"all_to_all: {what}_split_sizes must be {n} sizes >= 0 summing to {what}'s "
+                         f"{rows} rows (dim 0; None splits evenly when {n} divides it), got {sizes}")
+    return list(t.split(list(sizes)))
+
+
+@torch.no_grad()
+def all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
+               input_split_sizes=None, group=None) -> torch.Tensor:
+    """torch.distributed.all_to_all_single's meaning and calling shape: `input` cut along
+    dim 0 (input_split_sizes rows, equal if None), block i to rank i of `group` (default:
+    the world); block j of `output` (cut by output_split_sizes) comes from rank j.
+
+    Pairwise exchange: at step s rank r sends to r+s while receiving from r-s, one block
+    each way, N-1 steps; each rank sends all of `input` but its own block.
+    """
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    ins, outs = _blocks(input, input_split_sizes, n, "input"), _blocks(output, output_split_sizes, n, "output")
+    if output.dtype != input.dtype or ins[r].shape != outs[r].shape or not output.is_contiguous():
+        raise ValueError(f"all_to_all: output must be contiguous, of input's dtype ({input.dtype}) and shape "
+                         f"but dim 0, and keep as many rows as rank {r} sends itself ({ins[r].shape[0]})")
+    outs[r].copy_(ins[r])
+    peer = (lambda i: i) if group is None else (lambda i: dist.get_global_rank(group, i))
+    for s in range(1, n):
+        send, recv = ins[(r + s) % n].contiguous(), outs[(r - s) % n]
+        _exchange(send if send.numel() else None, peer((r + s) % n),  # empty blocks: no message
+                  recv if recv.numel() else None, peer((r - s) % n), "all_to_all", f"pairwise step {s}/{n - 1}")
+    return output
+
+
 # ------------------------------------------------------------------ the pipelined all-reduce
 
-# Large chunks travel in segments: while segment j is being added, segment j+1 is still
-# arriving, so the additions hide behind the transfer (as gloo and NCCL pipeline theirs).
-SEGMENT_BYTES = 1 << 20
-_scratch: dict = {}
-
-
-def _scratch_like(t: torch.Tensor) -> torch.Tensor:
-    """A receive buffer like t, kept across calls (a fresh one would page-fault in)."""
-    buf = _scratch.get((t.dtype, t.device))
-    if buf is None or buf.numel() < t.numel():
-        buf = _scratch[t.dtype, t.device] = t.new_empty(max(t.numel(), 1024))
-    return buf[:t.numel()]
-
-
-def _segments(t: torch.Tensor) -> list[torch.Tensor]:
-    return list(t.split(max(1, SEGMENT_BYTES // t.element_size())))
+SEGMENT_BYTES = 1 << 20  # segment j is added while j+1 arrives (steps: minidist/comm_pipelined.py)
 
 
 @torch.no_grad()
 def all_reduce_pipelined(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """all_reduce's result, bit for bit (the same chunks meet in the same order), faster
-    for large tensors: (1) each reduce-scatter step posts all the segments of its chunk
-    at once and adds each one as it lands, while later ones still arrive; (2) the first
-    all-gather step rides on the last reduce-scatter step: each segment of chunk r goes
-    on to the right as soon as its addition is done, not after the whole phase.
-
-    Correctness rests on message order: on a link, receives match sends in posting
-    order. In the last step every rank posts the reduce-scatter receives before the
-    all-gather ones, and its neighbour posts the matching sends in the same order.
-    """
+    """all_reduce's result, bit for bit, faster for large tensors: chunks in segments added
+    as they land (comm_pipelined.pipelined_ring, through this module's counted messages)."""
     _check_op(op, tensor)
     r, n, right, left = _ring_neighbours()
     flat = _flat(tensor)
-    chunks = list(torch.tensor_split(flat, n))
     name = "all_reduce_pipelined"
-    for k in range(n - 1):
-        step = f"reduce-scatter step {k + 1}/{n - 1}"
-        send, acc = chunks[(r - k - 1) % n], chunks[(r - k - 2) % n]
-        bufs = _segments(_scratch_like(acc))
-        recvs = [dist.irecv(b, left) for b in bufs]
-        sends = [_isend(s, right, name) for s in _segments(send)]
-        last = k == n - 2  # acc is chunk r: after this step it is final
-        if last:
-            step += f" + all-gather step 1/{n - 1}"
-            ag_recvs = [dist.irecv(s, left) for s in _segments(chunks[(r - 1) % n])]
-        for w, b, a in zip(recvs, bufs, _segments(acc)):
-            _wait(w, "receive from", left, name, step)
-            a.add_(b)
-            if last:
-                sends.append(_isend(a, right, name))  # this segment of chunk r is final
-        for w in ag_recvs if last else []:
-            _wait(w, "receive from", left, name, step)
-        for w in sends:
-            _wait(w, "send to", right, name, step)
-    for k in range(1, n - 1):  # the remaining all-gather steps, as in _ring_all_gather
-        _exchange(chunks[(r - k) % n], right, chunks[(r - k - 1) % n], left,
-                  name, f"all-gather step {k + 1}/{n - 1}")
+    pipelined_ring(list(torch.tensor_split(flat, n)), r, n, right, left, SEGMENT_BYTES,
+                   lambda t, dst: _isend(t, dst, name),
+                   lambda w, verb, peer, step: _wait(w, verb, peer, name, step),
+                   lambda s, dst, recv, src, step: _exchange(s, dst, recv, src, name, step))
     if op == "avg":
         flat.div_(n)
     if flat.data_ptr() != tensor.data_ptr():

@@ -54,16 +54,19 @@ STRATEGIES = ("dp", "zero1", "zero2", "zero3")
 # wire; minidist.bench.collectives fits alpha and beta with these).
 SENT_FRACTION = {"all_reduce": lambda n: 2 * (n - 1) / n,
                  "reduce_scatter": lambda n: (n - 1) / n,
-                 "all_gather": lambda n: (n - 1) / n}
+                 "all_gather": lambda n: (n - 1) / n,
+                 "all_to_all": lambda n: (n - 1) / n}  # pairwise: every block but one's own
 MESSAGES = {
     "ring": {"all_reduce": lambda n: 2 * (n - 1),
-             "reduce_scatter": lambda n: n - 1, "all_gather": lambda n: n - 1},
+             "reduce_scatter": lambda n: n - 1, "all_gather": lambda n: n - 1,
+             "all_to_all": lambda n: n - 1},
     # log2 N rounds each way and the ring's bytes: chapter 02's recursive halving and
     # doubling (Rabenseifner) row. NCCL's trees have the latency; their bytes per link
     # come near the ring's, not to it, so "tree" is the optimistic end.
     "tree": {"all_reduce": lambda n: 2 * math.ceil(math.log2(n)),
              "reduce_scatter": lambda n: math.ceil(math.log2(n)),
-             "all_gather": lambda n: math.ceil(math.log2(n))},
+             "all_gather": lambda n: math.ceil(math.log2(n)),
+             "all_to_all": lambda n: n - 1},  # no tree: each block has its own destination
 }
 
 

@@ -9,6 +9,7 @@ checked by tiktoken's own hashes), the default corpus is Shakespeare from the pa
 
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
 import importlib.util
@@ -20,6 +21,8 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from minidist.files import open_regular, read_bounded
 
 # ---------------------------------------------------------------------------- tokenizer
 
@@ -38,7 +41,8 @@ def _tiktoken_cache_dir() -> str:
 
 
 def _sha256(path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    with open_regular(path, "vocabulary file") as f:  # a FIFO refused; read in chunks, not whole
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def seed_gpt2_vocab() -> str:
@@ -134,7 +138,7 @@ def list_plays() -> list[Path]:
 def play_text(path: Path) -> str:
     """A play as plain text: markdown markup removed, speakers as 'NAME:' lines."""
     out = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
+    for line in read_bounded(path, 2**22, "play").decode("utf-8").splitlines():  # the longest: 190 KB
         line = line.rstrip()
         line = re.sub(r"^#+\s*", "", line)                  # headings: title, acts, scenes
         line = re.sub(r"^\*\*(.+?)\*\*$", r"\1:", line)     # **HAMLET** -> HAMLET:
@@ -171,23 +175,27 @@ def write_shard(path, tokens) -> None:
 
 def read_shard(path, vocab_size: int | None = None) -> np.ndarray:
     """The tokens of one shard as a read-only uint16 memmap; a bad file is a clear error, and
-    so is an id the model's vocabulary (`vocab_size`) has no embedding for."""
+    so is an id the model's vocabulary (`vocab_size`) has no embedding for. A FIFO or a device
+    is refused before a byte is read, and the map is of the file checked, not reopened by name."""
     path = Path(path)
-    size = path.stat().st_size
-    if size < HEADER_INTS * 4:
-        raise ValueError(f"{path}: {size} bytes is shorter than the 1024-byte shard header; "
-                         "the file is truncated or not a token shard: rewrite it")
-    header = np.fromfile(path, dtype=np.int32, count=HEADER_INTS)
-    if header[0] != MAGIC:
-        raise ValueError(f"{path}: magic number {header[0]} is not {MAGIC}; not an llm.c token "
-                         "shard (regenerate it with python -m minidist.run.shards)")
-    if header[1] != VERSION:
-        raise ValueError(f"{path}: shard version {header[1]} is not supported (only {VERSION})")
-    n = int(header[2])
-    if size != HEADER_INTS * 4 + 2 * n:
-        raise ValueError(f"{path}: header says {n} tokens ({HEADER_INTS * 4 + 2 * n} bytes) but "
-                         f"the file has {size} bytes; it is truncated or corrupt: regenerate it")
-    tokens = np.memmap(path, dtype=np.uint16, mode="r", offset=HEADER_INTS * 4, shape=(n,))
+    if path.is_dir():  # (train_gpt then suggests the glob of the shards in it)
+        raise IsADirectoryError(errno.EISDIR, "a folder, not a token shard", str(path))
+    with open_regular(path, "token shard") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < HEADER_INTS * 4:
+            raise ValueError(f"{path}: {size} bytes is shorter than the 1024-byte shard header; "
+                             "the file is truncated or not a token shard: rewrite it")
+        header = np.frombuffer(f.read(HEADER_INTS * 4), dtype=np.int32)
+        if header[0] != MAGIC:
+            raise ValueError(f"{path}: magic number {header[0]} is not {MAGIC}; not an llm.c token "
+                             "shard (regenerate it with python -m minidist.run.shards)")
+        if header[1] != VERSION:
+            raise ValueError(f"{path}: shard version {header[1]} is not supported (only {VERSION})")
+        n = int(header[2])
+        if size != HEADER_INTS * 4 + 2 * n:
+            raise ValueError(f"{path}: header says {n} tokens ({HEADER_INTS * 4 + 2 * n} bytes) but "
+                             f"the file has {size} bytes; it is truncated or corrupt: regenerate it")
+        tokens = np.memmap(f, dtype=np.uint16, mode="r", offset=HEADER_INTS * 4, shape=(n,))
     top = int(tokens.max()) if n and vocab_size else -1  # one vectorised pass over the map
     if vocab_size and top >= vocab_size:  # else an IndexError deep in a forward, mid-run
         fix = "--tokenizer gpt2" if top < 50257 else f"a tokenizer of more than {top} tokens"
@@ -202,7 +210,7 @@ def prepare_shakespeare(out_dir, tokenizer: str = "gpt2", log=print) -> dict:
     out = Path(out_dir)
     meta_path = out / "meta.json"
     try:  # a cache there is verified (shard sizes and headers against meta.json); if damaged, said
-        meta = json.loads(meta_path.read_text())  # to `log` (None: quietly) and written again
+        meta = json.loads(read_bounded(meta_path, 2**20, "data cache file"))  # to `log` (None: quietly) and written again
         counts = [len(read_shard(out / f"{s}_000000.bin")) for s in ("train", "val")]
         if meta["tokenizer"] == tokenizer and counts == [meta["train_tokens"], meta["val_tokens"]]:
             return meta
@@ -219,7 +227,7 @@ def prepare_shakespeare(out_dir, tokenizer: str = "gpt2", log=print) -> dict:
             nbytes += len(text.encode("utf-8"))
         write_shard(out / f"{split}_000000.bin", toks)
         meta[f"{split}_tokens"], meta[f"{split}_bytes"] = len(toks), nbytes
-    tmp = meta_path.with_name("meta.json.tmp")
+    tmp = meta_path.with_name(f"meta.json.{os.getpid()}.tmp")  # each rank its own: ranks may race here
     tmp.write_text(json.dumps(meta, indent=1))
     os.replace(tmp, meta_path)
     return meta

@@ -20,10 +20,14 @@ import torch
 import torch.distributed as dist
 
 
+TIMEOUT_RANGE_S = (1.0, 7 * 24 * 3600.0)  # below 1 s torch's rendezvous fails; past days, timedelta overflows
+
+
 def default_timeout_s(default: float = 300.0) -> float:
     """Seconds a collective may wait for its peers: MINIDIST_TIMEOUT, else `default`, read
-    when asked (not at import). Anything but a finite number > 0 is a ValueError that names
-    the variable, rather than a failure deep inside init or a wait forever."""
+    when asked (not at import). Anything but a finite number of seconds in TIMEOUT_RANGE_S
+    is a ValueError that names the variable and the range, rather than a failure deep
+    inside init (an overflow, torch's rendezvous) or a wait forever."""
     raw = os.environ.get("MINIDIST_TIMEOUT", "").strip()
     if not raw:  # unset or empty: the default
         return default
@@ -31,10 +35,24 @@ def default_timeout_s(default: float = 300.0) -> float:
         seconds = float(raw)
     except ValueError:
         seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"MINIDIST_TIMEOUT={raw!r} is not a finite number of seconds > 0: unset it "
-                         f"(the default is {default:g}) or set e.g. MINIDIST_TIMEOUT=600")
+    low, high = TIMEOUT_RANGE_S
+    if not (math.isfinite(seconds) and low <= seconds <= high):
+        raise ValueError(f"MINIDIST_TIMEOUT={raw!r}: use a finite number of seconds > 0, from {low:g} to "
+                         f"{high:g} (7 days), e.g. MINIDIST_TIMEOUT=600, or unset it (the default is {default:g})")
     return seconds
+
+
+def group_timeout() -> timedelta:
+    """The run's timeout: the default group's, as init() or launch gave it (MINIDIST_TIMEOUT
+    without a group). Every group minidist makes, and every point-to-point wait, takes it:
+    torch's new_group would otherwise wait its own default, 30 minutes on gloo."""
+    if dist.is_available() and dist.is_initialized():
+        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+        try:  # (torch keeps it in the backend's options; no public getter)
+            return dist.group.WORLD._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):
+            pass
+    return timedelta(seconds=default_timeout_s())
 
 
 @dataclass

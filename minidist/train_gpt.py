@@ -35,7 +35,7 @@ from minidist.ddp import broadcast_module
 from minidist.compose.build import gradient_sync, make_optimizers, make_step, shard_model
 from minidist.compose.mesh import make_mesh
 from minidist.dist import cleanup, init
-from minidist.run.locks import OutDirInUse, acquire_lock, release_lock
+from minidist.run.locks import OutDirInUse, acquire_lock, release_lock, take_out_dir
 from minidist.run.flag_checks import model_of
 from minidist.run.flags import (agree_across_ranks, build_parser, make_scaler, optimizer_options, parse_args,
                                 resolve_args, world_size_from_env)
@@ -47,7 +47,9 @@ from minidist.train import evaluate, finite_state, lr_at
 
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = resolve_args(parse_args(argv), world_size_from_env())
+    args = parse_args(argv)
+    asked = args.resume  # "auto", a path or None: resolve_args puts the checkpoint found there
+    args = resolve_args(args, world_size_from_env())
     # One run per --out-dir: rank 0 holds its lock from here to the end, however it ends
     # (minidist.run.locks.acquire_lock). Every check above ran first: a refused run did nothing.
     rank0 = os.environ.get("RANK", "0") == "0"
@@ -56,6 +58,11 @@ def main(argv=None) -> dict:
     except OutDirInUse as e:
         build_parser().error(str(e))
     try:
+        try:  # another run's outputs there (and checkpoints --resume auto skipped): moved aside, said
+            if rank0:
+                take_out_dir(args.out_dir, args.resume, asked == "auto")
+        except OSError as e:
+            build_parser().error(f"--out-dir {args.out_dir}: {e}: fix its permissions, or choose another")
         with StopOnSignal() as stop:
             return _run(args, argv, stop, rank0)
     finally:
@@ -138,6 +145,8 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
         if not meta["rng_restored"]:  # another world size: fresh RNG streams, reproducibly
             torch.manual_seed(args.seed + start)
         log(f"resumed from {args.resume} at step {start} (saved by {meta['world_size']} ranks)")
+    if info.is_main:  # the run's first write here: from now on summary.json says it is running
+        outputs.mark_running(out, vars(args))
     rows = outputs.MetricsFile(out / "metrics.jsonl", rows, write=info.is_main)  # appended as it goes
     run = outputs.Ending(args, argv, info.world_size, info.is_main, rows,
                          good=Path(args.resume) if args.resume else None)
@@ -200,7 +209,7 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
                     + f" | mem {row['mem_gb']:.2f} GB")
             if args.checkpoint_every and diverged is None and \
                     ((step + 1) % args.checkpoint_every == 0 or last or ending):  # (a signal: saved)
-                _save(run, step + 1, loss, model, opts, scaler, cfg, args)
+                _save(run, step + 1, loss, model, opts, scaler, cfg, args, facts)
             faults.inject_fault("step", step + 1, info.rank)
             if diverged is not None:
                 run.stop("diverged", f"stopped: {diverged}", step + 1, facts(), since=watch.since)
@@ -223,6 +232,8 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
         rows.close()
         raise
     except Exception as e:  # a rank lost, a collective that timed out, an error here
+        if mesh is not None and is_collective_failure(e):  # gloo's words name no rank or group
+            e = RuntimeError(f"{mesh.where()}: {e}")
         run.failed(e, step + 1, facts(), collective=is_collective_failure(e))
         rows.close()
         if is_collective_failure(e):  # a consequence: the rank that failed says why
@@ -244,13 +255,11 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
     prompt = torch.tensor([[enc.eot_token]], device=info.device)
     summary["sample"] = sample = enc.decode(stepper.generate(
         prompt, args.sample_tokens, temperature=0.8, top_k=50, generator=g)[0, 1:].tolist())
-    if info.is_main:
-        rows.close()
-        outputs.plot_losses(rows, out / "loss.png")
-        (out / "summary.json").write_text(outputs.to_json(summary, indent=1))  # NaN: null
+    if info.is_main:  # summary.json (NaN: null) and loss.png, each whole or not at all
+        note = run.write(summary)
         log(f"final | val loss {val_loss:.4f} nats/token | {bpb:.3f} bits/byte | "
             f"trained {train_s:.0f}s\n--- sample ---\n{sample}\n--- "
-            f"metrics.jsonl, loss.png, summary.json in {out}/")
+            f"metrics.jsonl, loss.png, summary.json in {out}/{note}")
     return {**summary, "rows": list(rows)}  # plain rows: the file behind them is closed
 
 
@@ -264,9 +273,10 @@ def _axes(args, dp: int) -> str:
     return out + (f", pp {args.pp}" if args.pp > 1 else "")
 
 
-def _save(run, step, loss, model, opts, scaler, cfg, args) -> None:
+def _save(run, step, loss, model, opts, scaler, cfg, args, facts) -> None:
     """A checkpoint, unless the loss or anything it would hold is not finite: such a
-    checkpoint would become the newest, and pruning would delete the good ones."""
+    checkpoint would become the newest, and pruning would delete the good ones. A save that
+    fails (a full disk) stops the run with its one line: what failed, and where to resume."""
     finite_loss = math.isfinite(loss)
     if finite_loss:
         try:  # (checkpoint.save itself refuses non-finite weights, optimizer state, loss scale)
@@ -276,6 +286,8 @@ def _save(run, step, loss, model, opts, scaler, cfg, args) -> None:
             return
         except checkpoint.NonFiniteCheckpointError:
             pass
+        except checkpoint.SaveError as e:
+            run.stop("failed", f"stopped at step {step}: {e}", step, {**facts(), "error": str(e)})
     run.say(f"step {step}: no checkpoint saved: the {'loss is' if not finite_loss else 'model or optimizer state is'} "
             f"not finite; the newest good one stays {run.good or 'none'}")
 

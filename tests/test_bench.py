@@ -3,6 +3,8 @@ asserted here (timed tests on a shared 2-core machine would be noise): the bench
 ratios, and the alpha-beta fit is checked against data whose alpha and beta are known."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import sys
@@ -164,14 +166,43 @@ def test_pp_benchmark_quick(bench):
     assert (tmp_path / "pp.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["zero", "--quick", "--world-sizes", "0"], "argument --world-sizes: must be an integer >= 1, got '0'"),
-    (["muon_zero", "--quick", "--world-sizes", "1"], "muon_zero compares ranks: give at least one world size >= 2"),
+def _out_with(name, make):
+    """An --out folder (of tmp_path) where `make` put something odd at `name`."""
+    def out(tmp_path):
+        make(tmp_path / name)
+        return str(tmp_path)
+    return out
+
+
+BAD_ARGUMENTS = [  # argv ({file}: a file; a function: of tmp_path), what the one line says
+    (["zero", "--quick", "--world-sizes", "0"], "argument --world-sizes: must be an integer >= 1, at most 64"),
+    (["zero", "--world-sizes", "1000000"], "argument --world-sizes: must be an integer >= 1, at most 64"),
+    (["muon_zero", "--quick", "--world-sizes", "1"], "muon_zero compares ranks: give world sizes >= 2, got 1"),
+    (["zero", "--world-sizes", "2", "2"], "argument --world-sizes: 2 given twice"),
+    (["zero", "--quick", "--world-sizes", "16"], "zero splits a batch of 8 sequences (--quick) over the ranks"),
+    (["tp", "--world-sizes", "3"], "tp splits an MLP of 512 columns over all the ranks: give world sizes that divide"),
+    (["ddp", "--world-sizes", "4"], "argument --world-sizes: ddp would ignore it (it runs 2 ranks)"),
+    (["collectives", "--quick", "--world-sizes", "4"], "collectives --quick times 2 ranks only"),
+    (["zero", "--ops", "all_gather"], "argument --ops: only collectives times --ops (zero would ignore it)"),
+    (["collectives", "--ops", "all_gather", "all_gather"], "argument --ops: all_gather given twice"),
     (["scale", "--quick", "--out", "{file}"], "argument --out: cannot make the folder"),
-])
-def test_bad_arguments_are_refused_before_any_work(argv, says, tmp_path, capsys):
-    from minidist.bench.__main__ import main
+    (["scale", "--out", ""], "argument --out: is empty: name a folder"),
+    # each file a benchmark writes, tried before it runs (it used to fail only at the end)
+    (["zero", "--out", _out_with("zero.json", os.mkdir)], "zero.json is a folder, where the benchmark writes a file"),
+    (["all", "--quick", "--out", _out_with("report.md", os.mkfifo)], "report.md is a FIFO (named pipe), where"),
+    (["muon", "--out", _out_with("muon_runs", Path.touch)], "muon_runs is a file, where the benchmark writes a folder"),
+    (["scale", "--out", _out_with("ddp.json", lambda p: p.write_text("[]"))], "ddp.json, which cannot be read (not a"),
+]
+
+
+@pytest.mark.parametrize("argv, says", BAD_ARGUMENTS, ids=[" ".join(a[:1] + [says[:24]]) for a, says in BAD_ARGUMENTS])
+def test_bad_arguments_are_refused_before_any_work(argv, says, tmp_path, monkeypatch, capsys):
+    from minidist.bench import __main__ as cli
+    for name in cli.BENCHMARKS:  # none may start: a refused argument costs nothing
+        monkeypatch.setitem(cli.BENCHMARKS, name, lambda args: pytest.fail("the benchmark ran"))
     (tmp_path / "afile").write_text("")
+    argv = [a(tmp_path) if callable(a) else a.replace("{file}", str(tmp_path / "afile")) for a in argv]
     with pytest.raises(SystemExit) as e:
-        main([a.replace("{file}", str(tmp_path / "afile")) for a in argv])
-    assert e.value.code == 2 and says in capsys.readouterr().err
+        cli.main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and says in lines[-1] and lines[-1].startswith("python -m minidist.bench: error:"), lines

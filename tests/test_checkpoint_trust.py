@@ -3,14 +3,17 @@ a meta.json that is valid JSON but not a checkpoint's, or whose sizes are absurd
 damaged, quickly and without allocating what it claims; a format downgrade cannot skip a
 checksum; a shard file from another checkpoint is damage; rotation deletes only what
 minidist wrote and never the newest good checkpoint; a step past the run's end is
-refused; the loss scaler's settings are the resuming run's; and nothing non-finite is
-ever saved. One process, tiny models, small files: the rules, not one case each.
+refused; the loss scaler's settings are the resuming run's; nothing non-finite is ever
+saved; and no checkpoint file can make a read block (a FIFO). One process, tiny models, small files: the rules, not one case each.
 (The cases that need several ranks, a renamed rank's file and the non-finite check agreed
 across ranks, are in tests/test_checkpoint.py's 2-rank test.)"""
 
+import contextlib
 import json
 import math
+import os
 import shutil
+import threading
 import time
 import tracemalloc
 import zlib
@@ -23,6 +26,7 @@ from minidist.checkpoint import io as checkpoint_io
 from minidist.checkpoint import schema as checkpoint_schema
 from minidist.checkpoint.resume import find_resume
 from minidist.run import checkpoints as checkpoints_cli
+from minidist.run import outputs
 from minidist.checkpoint.schema import to_json
 from minidist.scaler import LossScaler
 
@@ -165,7 +169,7 @@ def test_absurd_sizes_are_refused_quickly_without_building_them(tmp_path, capsys
         assert took < 2 and peak < 20e6, (took, peak)
     monkeypatch.setattr(checkpoint_io, "MAX_META_BYTES", 1000)
     _write_meta(two, {**_meta(two), "world_size": 1, "extra": {"note": "x" * 2000}})
-    assert "more than a checkpoint's meta.json can be" in checkpoint.verify(two)[0]
+    assert "more than the 1,000 such a file can hold" in checkpoint.verify(two)[0]
 
 
 def test_shards_outside_the_schema_are_damaged(tmp_path, capsys):
@@ -402,3 +406,50 @@ def test_the_cli_has_help_takes_one_path_and_finds_a_runs_checkpoints(tmp_path, 
     with pytest.raises(SystemExit) as e:
         checkpoints_cli.main([str(tmp_path)])
     assert "name a run's OUT_DIR, its OUT_DIR/checkpoints" in str(e.value.code)
+
+
+# ---- h. nothing a checkpoint holds can make a read block ----------------------------------
+
+@contextlib.contextmanager
+def _let_go(fifos, after_s=30.0):
+    """A guard, not a timing: if a read blocks on one of `fifos` (the bug), it is let go
+    after `after_s` (a writer opens each, which ends a blocked open), so the test fails
+    instead of hanging the suite. Yields the list of those it had to let go."""
+    let_go = []
+
+    def rescue():
+        for f in fifos:
+            let_go.append(f.name)
+            os.close(os.open(f, os.O_RDWR | os.O_NONBLOCK))
+    timer = threading.Timer(after_s, rescue)
+    timer.start()
+    try:
+        yield let_go
+    finally:
+        timer.cancel()
+
+
+def test_checkpoint_files_that_are_fifos_are_refused_by_kind_never_read(tmp_path, capsys):
+    root = tmp_path / "checkpoints"
+    model, opt, (one, two) = _saved(root)
+    three = checkpoint.save(root, 3, model, [opt], keep=0)
+    shard, meta = two / "shard_00000_of_00001.pt", three / "meta.json"
+    for f in (shard, meta):
+        f.unlink()
+        os.mkfifo(f)
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / "summary.json")
+    with _let_go([shard, meta, out / "summary.json"]) as let_go:
+        assert checkpoint.verify(two) == [f"checkpoint shard {shard} is a FIFO (named pipe), not a regular file"]
+        assert checkpoint.verify(three) == [f"meta.json {meta} is a FIFO (named pipe), not a regular file"]
+        assert find_resume("auto", root, {}) == one  # the newest whole one, past both
+        assert "skipping step_00000002, damaged (checkpoint shard" in capsys.readouterr().err
+        for path in (root, three):  # the checkpoint CLI: each named, exit 1
+            with pytest.raises(SystemExit) as e:
+                checkpoints_cli.main([str(path)])
+            assert e.value.code == 1 and "is a FIFO (named pipe)" in capsys.readouterr().out
+        assert not checkpoint_schema.written_by_minidist(three)  # rotation never deletes it
+        assert outputs.output_problem(out) == (f"{out / 'summary.json'} is a FIFO (named pipe), but the run "
+                                               "writes a file there: move it away, or choose another --out-dir")
+    assert let_go == []

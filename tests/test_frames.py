@@ -162,11 +162,11 @@ def test_notebook_runs_top_to_bottom(nb, notebook_runs):
 # minidist modules only from the floors below its own; on its own floor, only what
 # SAME_FLOOR declares, or its own package's modules. Names are dotted paths under minidist/
 # ("zero.stage3" is minidist/zero/stage3.py, "zero" its __init__.py).
-IDEAS = ("zero", "muon", "checkpoint", "memory", "tensor_parallel", "pipeline")
+IDEAS = ("zero", "muon", "checkpoint", "memory", "tensor_parallel", "pipeline", "context_parallel")
 FLOORS = {
     # run.launch and run.pool live in the workshop's folder but need only dist: anything may
     # start processes. minidist/launch.py is the public door to run.launch.
-    "basics": {"dist", "run.launch", "run.pool", "launch", "model", "data", "metrics", "comm", "sync", "ddp", "scaler",
+    "basics": {"dist", "files", "run.launch", "run.pool", "launch", "model", "data", "metrics", "comm", "comm_pipelined", "sync", "ddp", "scaler",
                "cost_model", "train"},
     "ideas": {p for i in IDEAS for p in (i, i + ".*")},
     "compose": {"compose", "compose.*"},
@@ -176,7 +176,8 @@ SAME_FLOOR = {  # module: what it may import on its own floor (besides its own p
     "run.launch": {"dist"},
     "run.pool": {"run.launch"},
     "launch": {"run.launch"},
-    "comm": {"dist"},
+    "comm": {"dist", "comm_pipelined"},
+    "data": {"files"},
     "ddp": {"sync"},
     "cost_model": {"model"},
     "train": {"scaler"},

@@ -178,12 +178,14 @@ def _resolve(tmp_path, *argv, world=2):
 
 
 @pytest.mark.parametrize("argv, env, message", [
-    (["--lr", "nan"], None, "argument --lr: must be a finite number > 0, got 'nan'"),
-    (["--lr", "inf"], None, "argument --lr: must be a finite number > 0, got 'inf'"),
+    (["--lr", "nan"], None, "argument --lr: must be a finite number > 0, at most 1e+30"),
+    (["--lr", "inf"], None, "argument --lr: must be a finite number > 0, at most 1e+30"),
     (["--weight-decay", "-0.1"], None, "argument --weight-decay: must be a finite number >= 0"),
     (["--grad-clip", "inf"], None, "argument --grad-clip: must be a finite number"),
     (["--seq-len", "512"], None, "--seq-len 512 is longer than the tiny preset's context (128"),
     (["--n-head", "3"], None, "--n-layer/--n-head/--n-embd: n_embd=128 must be divisible by n_head=3"),
+    # each in its range, together 53 trillion parameters: refused before a rank allocates them
+    (["--n-layer", "1024", "--n-embd", "65536"], None, "parameters, whose fp32 weights and gradients alone take"),
     (["--dp", "flat", "--zero-stage", "1"], None, "--dp flat with --zero-stage 1"),
     (["--dp", "naive", "--zero-stage", "3"], None, "--dp naive with --zero-stage 3"),
     ([], "kill:step:x", "MINIDIST_FAULT='kill:step:x' is not kill:step|save:STEP:RANK"),
@@ -247,17 +249,20 @@ def _numeric_flags():
 
 
 def test_every_number_flag_has_a_range():
-    # the rule, not a list: no flag reads a bare int or float (which take nan, inf, -1)
+    # the rule, not a list: no flag reads a bare int or float (which take nan, inf, -1), and
+    # every range has a top (a count without one takes --batch-size 10**11: a MemoryError later)
+    actions = [a for a in build_parser()._actions if a.option_strings[0] in _numeric_flags()]
     bare = [a.option_strings[0] for a in build_parser()._actions if a.type in (int, float)]
     assert not bare, f"flags without a range: {bare}"
-    assert len(_numeric_flags()) >= 25
+    assert not [a.option_strings[0] for a in actions if getattr(a.type, "high", None) is None]
+    assert len(actions) >= 25
 
 
 @pytest.mark.parametrize("flag", _numeric_flags())
 def test_every_number_flag_refuses_what_no_run_can_use(flag, capsys):
-    for bad in ("nan", "-1", "x", "1e999"):
-        if flag == "--bucket-cap-mb" and bad == "1e999":
-            continue  # inf: one bucket for everything
+    for bad in ("nan", "-1", "x", "1e999", str(10**40), "1e300"):
+        if flag == "--bucket-cap-mb" and bad in ("1e999", str(10**40), "1e300"):
+            continue  # inf: one bucket for everything (and more MiB than there are: the same)
         with pytest.raises(SystemExit) as e:
             build_parser().parse_args([flag, bad])
         last = capsys.readouterr().err.strip().splitlines()[-1]  # usage, then the one line
@@ -265,10 +270,10 @@ def test_every_number_flag_refuses_what_no_run_can_use(flag, capsys):
 
 
 BAD_FLAGS = {  # flag: values that must be refused, and what the message must say
-    "--steps": (["0", "-3", "2.5", "ten"], "an integer >= 1"),
-    "--batch-size": (["0", "-4"], "an integer >= 1"),
+    "--steps": (["0", "-3", "2.5", "ten", str(10**12)], "an integer >= 1, at most 1000000000"),
+    "--batch-size": (["0", "-4", str(10**11), "1e11"], "an integer >= 1, at most 1048576 (sequences)"),
     "--seed": (["-1", str(2**64), str(2**63), "1e3"], "an integer in [0, 2**63)"),
-    "--lr": (["0", "-1", "nan", "inf", "-inf"], "a finite number > 0"),
+    "--lr": (["0", "-1", "nan", "inf", "-inf", "1e300"], "a finite number > 0, at most 1e+30"),
     "--dropout": (["1", "-0.1", "nan"], "a number in [0, 1)"),
     "--min-lr-ratio": (["1.5", "-1"], "a number in [0, 1]"),
     "--warmup-steps": (["-1"], "an integer >= 0"),
@@ -281,7 +286,7 @@ BAD_FLAGS = {  # flag: values that must be refused, and what the message must sa
     "--out-dir": (["", " "], "is empty: name a folder"),
     "--bucket-cap-mb": (["-1", "nan"], "a number of MiB >= 0"),
     "--n-head": (["0"], "an integer >= 1"),
-    "--sample-tokens": (["-1"], "an integer >= 0"),
+    "--sample-tokens": (["-1", str(10**11)], "an integer >= 0, at most 100000"),
 }
 
 

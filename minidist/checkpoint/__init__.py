@@ -15,4 +15,4 @@
 from minidist.checkpoint.faults import inject_fault
 from minidist.checkpoint.io import (CheckpointError, CheckpointPastEndError, Reader, check_step, latest,
                                     list_checkpoints, read_meta, shard_checksums, verify)
-from minidist.checkpoint.sharded import NonFiniteCheckpointError, load, save
+from minidist.checkpoint.sharded import NonFiniteCheckpointError, SaveError, load, save

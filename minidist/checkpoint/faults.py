@@ -28,6 +28,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from minidist.dist import default_timeout_s
+
 
 def parse_fault(spec: str | None) -> tuple[str, int, int] | None:
     """MINIDIST_FAULT's (point, step, rank), or None when unset; ValueError, saying the
@@ -40,6 +42,29 @@ def parse_fault(spec: str | None) -> tuple[str, int, int] | None:
         raise ValueError(f"MINIDIST_FAULT={spec!r} is not kill:step|save:STEP:RANK "
                          "(e.g. kill:step:30:1); unset it to run without a fault")
     return parts[1], int(parts[2]), int(parts[3])
+
+
+def check_fault(spec: str | None, world_size: int, steps: int, checkpoint_every: int = 0):
+    """parse_fault's answer, or a ValueError naming MINIDIST_FAULT when this run would never
+    meet the fault (it would be silently ignored): a rank outside the world, a step outside
+    1..steps, a save of a step the run does not save (checkpoints every `checkpoint_every`
+    steps, and at the last; 0: none)."""
+    fault = parse_fault(spec)
+    if fault is None:
+        return None
+    point, step, rank = fault
+    if rank >= world_size:
+        problem = f"rank {rank} does not exist in a world of {world_size} (ranks 0 to {world_size - 1})"
+    elif not 1 <= step <= steps:
+        problem = f"step {step} is not a step of this run (1 to --steps {steps})"
+    elif point == "save" and not checkpoint_every:
+        problem = "nothing is saved without --checkpoint-every"
+    elif point == "save" and step % checkpoint_every and step != steps:
+        problem = f"step {step} is not saved (only multiples of --checkpoint-every {checkpoint_every}, and {steps})"
+    else:
+        return fault
+    raise ValueError(f"MINIDIST_FAULT={spec!r}: {problem}, so the fault would never fire: name a rank and "
+                     "a step this run has, or unset it")
 
 
 def inject_fault(point: str, step: int, rank: int) -> None:
@@ -138,7 +163,7 @@ def trace_collectives(timeout_s: float | None = None) -> None:
     stop_tracing() undoes it."""
     if _originals:
         return
-    tracer = _Tracer(timeout_s or float(os.environ.get("MINIDIST_TIMEOUT", 60)))
+    tracer = _Tracer(timeout_s or default_timeout_s(60.0))  # (checked: 1e300 would overflow timedelta)
     for name in TRACED:
         fn = getattr(dist, name)
         _originals[name] = fn

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from minidist.files import NotARegularFile, open_regular, read_bounded
 from minidist.checkpoint.schema import (FORMAT, MARKER, MAX_META_BYTES, SHARD_NAME,  # noqa: F401
                                         checkpoint_step, coverage_problem, meta_problem, seal,
                                         shard_name, shard_problem, shorten, written_by_minidist, to_json)
@@ -75,11 +76,17 @@ def fsync(path: Path) -> None:
 
 
 def atomic_write(path: Path, write) -> None:
-    """write(tmp_path), then rename over `path`: a reader sees the old file or the new one."""
+    """write(tmp_path), then rename over `path`: a reader sees the old file or the new one
+    (never a 0-byte or cut one); a failed write (a full disk) leaves no partial file."""
     tmp = path.with_name(f".{path.name}.partial")
-    write(tmp)
-    fsync(tmp)
-    os.replace(tmp, path)
+    try:
+        tmp.unlink(missing_ok=True)  # a killed write's leftover (or a link, or a FIFO): never written through
+        write(tmp)
+        fsync(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _meta_text(meta: dict) -> str:
@@ -140,17 +147,13 @@ def read_meta(path) -> dict:
     FileNotFoundError when there is none, CheckpointError when it is not a checkpoint's."""
     path = Path(path)
     f = path / "meta.json"
-    if not f.is_file():
+    if not f.exists():
         raise FileNotFoundError(f"{path} is not a complete minidist checkpoint (no meta.json)")
-    try:
-        size = f.stat().st_size
-        if size > MAX_META_BYTES:  # read nothing of it: the schema could not accept it
-            raise CheckpointError(f"{f}: {size:,} bytes, more than a checkpoint's meta.json can be "
-                                  f"({MAX_META_BYTES:,})")
-        meta = json.loads(f.read_bytes().decode(), parse_constant=_no_constants)
-    except (ValueError, RecursionError) as e:  # (a CheckpointError is a ValueError too)
-        if isinstance(e, CheckpointError):
-            raise
+    try:  # a FIFO refused by kind (never opened to block), more than the schema accepts unread
+        meta = json.loads(read_bounded(f, MAX_META_BYTES, "meta.json").decode(), parse_constant=_no_constants)
+    except NotARegularFile as e:
+        raise CheckpointError(str(e)) from None
+    except (ValueError, RecursionError) as e:
         raise CheckpointError(f"{f}: not readable JSON ({shorten(str(e))})") from None
     except OSError as e:
         raise CheckpointError(f"{f}: unreadable ({e})") from None
@@ -163,6 +166,17 @@ def read_meta(path) -> dict:
     if step is not None and step != meta["step"]:
         raise CheckpointError(f"{f}: holds step {meta['step']}, in a folder named for step {step}")
     return meta
+
+
+def _load_shard(f: Path) -> dict:
+    """A shard, memory-mapped, that cannot block: torch's mmap takes a path, not a file
+    object (torch 2.13), so the file is opened and refused unless regular, and torch given
+    the path of that open file (/proc/self/fd/N: the very file checked). Without /proc, the
+    name: a FIFO swapped in after the check would block (only a hostile writer wins that)."""
+    with open_regular(f, "checkpoint shard") as opened:
+        pinned = f"/proc/self/fd/{opened.fileno()}"
+        where = pinned if os.path.exists(pinned) else f
+        return torch.load(where, mmap=True, weights_only=True, map_location="cpu")  # (the map outlives the fd)
 
 
 class Reader:
@@ -190,7 +204,9 @@ class Reader:
         for rank in range(world):
             f = self.path / shard_name(rank, world)
             try:
-                shard = torch.load(f, mmap=True, weights_only=True, map_location="cpu")
+                shard = _load_shard(f)
+            except NotARegularFile as e:
+                raise CheckpointError(str(e)) from None
             except Exception as e:  # a truncated or overwritten file: name it
                 raise CheckpointError(f"{f}: unreadable ({type(e).__name__}: {shorten(str(e))})") from None
             problem = shard_problem(shard, rank, self.meta)

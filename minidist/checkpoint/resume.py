@@ -107,3 +107,26 @@ def resume_from(resume: str | None, root, checkpoint_every: int, settings: dict,
         raise ValueError(f"{resume}: not a readable minidist checkpoint ({type(e).__name__}: {e}); "
                          "name another checkpoint folder, or use --resume auto") from None
     return found and str(found)
+
+
+def set_aside(root, kept) -> list[tuple[Path, Path]]:
+    """After --resume auto took checkpoint `kept` (None: none, a fresh start), move every
+    checkpoint folder under `root` for a later step, the ones it skipped as damaged, out of
+    the run's way: step_00000004 -> step_00000004.damaged (.damaged_2, ... if taken), a name
+    list_checkpoints and rotation never take. Else the run would die on reaching that step:
+    save() does not replace a folder it cannot tell is its own (meta.json emptied, or a
+    user's), and one that is its own it would delete, evidence and all. Returns (old, new)
+    for each, for the log."""
+    after = checkpoint.checkpoint_step(kept) if kept is not None else 0
+    root, moved = Path(root), []
+    for path in sorted(root.iterdir()) if root.is_dir() else []:
+        step = checkpoint.checkpoint_step(path)
+        if step is None or step <= after:
+            continue
+        new, n = path.with_name(f"{path.name}.damaged"), 1
+        while new.exists():
+            n += 1
+            new = path.with_name(f"{path.name}.damaged_{n}")
+        os.rename(path, new)
+        moved.append((path, new))
+    return moved

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from minidist.files import read_bounded
+
 # ---- strict JSON: meta.json here, and a run's metrics.jsonl and summary.json (minidist.metrics)
 
 def finite_or_none(obj):
@@ -196,12 +198,10 @@ def written_by_minidist(path) -> bool:
     with minidist's marker): rotation may delete it, damaged or not; nothing else."""
     path = Path(path)
     f = path / "meta.json"
-    if checkpoint_step(path) is None or not f.is_file():
+    if checkpoint_step(path) is None:
         return False
-    try:
-        if f.stat().st_size > MAX_META_BYTES:
-            return False
-        meta = json.loads(f.read_bytes().decode())
+    try:  # (a FIFO, or more than any meta.json: refused unread, NotARegularFile is a ValueError)
+        meta = json.loads(read_bounded(f, MAX_META_BYTES, "meta.json").decode())
     except (ValueError, RecursionError, OSError):
         return False
     if not isinstance(meta, dict):

@@ -17,6 +17,7 @@ import math
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,42 @@ from minidist.dist import barrier_or_failure, rank_and_world
 from minidist.checkpoint.faults import inject_fault
 
 # ---- saving ------------------------------------------------------------------------
+
+class SaveError(RuntimeError):
+    """save() failed on some rank (a full disk, a read-only folder, a folder in the way),
+    and every rank knows it: the message names the rank, the error and what to change. Its
+    temporary folder is gone; the previous checkpoints are untouched."""
+
+
+def _write_shard(path: Path, shard: dict) -> None:
+    """torch.save(shard) to `path`, atomically. A write that fails raises its own OSError:
+    torch reports one as a RuntimeError ("unexpected pos ..."), hiding a full disk."""
+    def write(tmp):
+        errors = []
+        with open(tmp, "wb") as f:
+            def keep(b):
+                try:
+                    return f.write(b)
+                except OSError as e:
+                    errors.append(e)
+                    raise
+            try:
+                torch.save(shard, SimpleNamespace(write=keep, flush=f.flush))
+            except RuntimeError:
+                if not errors:
+                    raise
+                raise errors[0] from None
+    atomic_write(path, write)
+
+
+def _failed(final: Path, tmp: Path, rank: int, failed: str, mine: bool) -> SaveError:
+    """Every rank heard of the failure: rank 0 removes the temporary folder (all ranks are
+    past writing into it), so a full disk is not kept full."""
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return SaveError(f"checkpoint {final} was not saved ({failed}); the previous ones are "
+                     "untouched" + ("" if mine else "; that rank's error says why"))
+
 
 class NonFiniteCheckpointError(FloatingPointError):
     """save() refused: some weight, optimizer state or the loss scale is inf or NaN (the run
@@ -72,7 +109,8 @@ def save(root, step: int, model, optimizers, scaler=None, extra: dict | None = N
          keep: int = 2) -> Path:
     """Write `root`/step_<step>/ (a collective: every rank calls it); keep the newest `keep`
     (0: delete none). Raises NonFiniteCheckpointError, on every rank and before anything is
-    written, if a weight, an optimizer state or the loss scale is inf or NaN."""
+    written, if a weight, an optimizer state or the loss scale is inf or NaN; SaveError, on
+    every rank, if a write fails on any."""
     rank, world, root = *rank_and_world(), Path(root)
     final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
     # what this rank writes, still where it lives (GPU or CPU): (key, full shape, runs, tensor)
@@ -117,9 +155,9 @@ def save(root, step: int, model, optimizers, scaler=None, extra: dict | None = N
                 tmp.mkdir(parents=True)
         except OSError as e:  # every rank must hear of it, not wait at the barrier
             error = f"rank 0 could not create {tmp}: {why_failed(e, root)}"
-    if barrier_or_failure(error):
-        raise RuntimeError(f"checkpoint {final} was not saved ({error or 'rank 0 failed'}); "
-                           "the previous ones are untouched")
+    failed = barrier_or_failure(error)
+    if failed:
+        raise _failed(final, tmp, rank, failed, True)
     rng = {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()}
                                             if torch.cuda.is_initialized() else {})}
     # clone: only these bytes (torch.save writes a view's whole storage); each run a piece,
@@ -131,7 +169,7 @@ def save(root, step: int, model, optimizers, scaler=None, extra: dict | None = N
              "identity": {"id": ckpt_id, "step": step, "rank": rank, "world_size": world}}
     shard["checksums"] = shard_checksums(shard)  # verified at every load; the seal binds it here
     try:
-        atomic_write(tmp / shard_name(rank, world), lambda f: torch.save(shard, f))
+        _write_shard(tmp / shard_name(rank, world), shard)
     except OSError as e:  # a full disk, a lost mount, no shared folder: all must hear of it
         error = f"rank {rank}: {why_failed(e, root)}"
     except Exception as e:
@@ -139,8 +177,7 @@ def save(root, step: int, model, optimizers, scaler=None, extra: dict | None = N
     inject_fault("save", step, rank)
     failed = barrier_or_failure(error)  # every shard is on disk, or every rank knows one is not
     if failed:
-        raise RuntimeError(f"checkpoint {final} was not saved ({failed}); the previous ones are "
-                           "untouched" + ("" if error else "; that rank's error says why"))
+        raise _failed(final, tmp, rank, failed, bool(error))
     if rank == 0:
         try:
             meta = {"kind": MARKER, "format": FORMAT, "id": ckpt_id, "step": step, "world_size": world,
@@ -162,8 +199,7 @@ def save(root, step: int, model, optimizers, scaler=None, extra: dict | None = N
             error = f"rank 0: {type(e).__name__}: {e}"
     failed = barrier_or_failure(error)
     if failed:
-        raise RuntimeError(f"checkpoint {final} was not saved ({failed}); the previous ones are "
-                           "untouched" + ("" if error else "; that rank's error says why"))
+        raise _failed(final, tmp, rank, failed, bool(error))
     return final
 
 

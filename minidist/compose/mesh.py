@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from minidist.dist import group_timeout
 from minidist.sync import GradientSync
 
 
@@ -70,17 +71,25 @@ class Mesh:
     def describe(self) -> str:
         return f"dp {self.dp} x tp {self.tp} x pp {self.pp}"
 
+    def where(self) -> str:
+        """This rank and its groups' ranks, for an error: "rank 1 of dp 1 x tp 2 x pp 1 (tp
+        group [0, 1], dp group [1], pp group [1])"; a timeout's own text names neither."""
+        groups = ", ".join(f"{axis} group {dist.get_process_group_ranks(getattr(self, axis + '_group'))}"
+                           for axis in ("tp", "dp", "pp"))
+        return f"rank {self.rank} of {self.describe()} ({groups})"
+
 
 def make_mesh(tp: int = 1, pp: int = 1) -> Mesh:
     """Split the default process group (which must exist) into this rank's dp, tp and pp
-    groups. Every rank must call it, with the same sizes: creating a group is itself a
-    collective, and every rank creates every group, in the same order, keeping its own."""
+    groups, each with the default group's timeout (a stopped peer is an error, not a hang).
+    Every rank must call it, with the same sizes: creating a group is itself a collective,
+    and every rank creates every group, in the same order, keeping its own."""
     world, rank = dist.get_world_size(), dist.get_rank()
     dp = check_sizes(world, tp, pp)
-    mine = {}
+    mine, timeout = {}, group_timeout()  # the run's: torch's own default would be 30 minutes on gloo
     for axis, lines in axis_groups(dp, tp, pp).items():
-        for ranks in lines:
-            g = dist.new_group(ranks)  # collective: every rank makes every group
+        for ranks in lines:  # collective: every rank makes every group
+            g = dist.new_group(ranks, timeout=timeout, group_desc=f"{axis} group {ranks}")
             if rank in ranks:
                 mine[axis] = g
     pp_rank, dp_rank, tp_rank = coords(rank, dp, tp, pp)

@@ -25,7 +25,7 @@ from minidist.memory import step_memory
 from minidist.model import GPTConfig, flops_per_token
 from minidist.pipeline import split_layers
 from minidist.pipeline.measure import bubble_formula, in_flight_formula
-from minidist.memory.plan import PlanError, check_sizes, recompute_flops_fraction
+from minidist.memory.plan import PlanError, check_sizes, divisors, recompute_flops_fraction, some
 from minidist.memory.plan import accum_options as micro_options  # a replica's share, split evenly
 from minidist.tensor_parallel.cost import comm_bytes as tp_comm_bytes
 
@@ -59,14 +59,10 @@ class Plan:
                          + ["recomputation" if self.checkpointed else "no recomputation"])
 
 
-def _divisors(n: int) -> list[int]:
-    return sorted({d for k in range(1, math.isqrt(n) + 1) if n % k == 0 for d in (k, n // k)})
-
-
 def meshes(cfg: GPTConfig, world: int) -> list[tuple[int, int, int]]:
     """(dp, tp, pp) for every split of the world that train_gpt's rules allow."""
-    return [(world // (tp * pp), tp, pp) for tp in _divisors(world) if cfg.n_head % tp == 0
-            for pp in _divisors(world // tp) if pp <= cfg.n_layer]
+    return [(world // (tp * pp), tp, pp) for tp in divisors(world) if cfg.n_head % tp == 0
+            for pp in divisors(world // tp) if pp <= cfg.n_layer]
 
 
 def zero_stages(tp: int, pp: int) -> tuple[int, ...]:
@@ -146,23 +142,40 @@ def families(cfg: GPTConfig, seq_len: int, world: int):
                     yield dp, tp, pp, zero, ck, sp
 
 
+def _search(ms: list[int], pp: int) -> tuple[list[int], list[int]]:
+    """A family's micro-batch counts, split: below pp (in flight: m, so memory may grow with
+    m: each is checked) and from pp on (in flight: p - s whatever m: memory falls as m grows,
+    so a bisection finds the first that fits, and the largest needs the least)."""
+    return [m for m in ms if m < pp], [m for m in ms if m >= pp]
+
+
+def _family_best(cfg, batch, seq_len, dp, tp, pp, zero, ck, sp, ms, budget_gb, precision, hw, bucket_cap_mb):
+    """The family's cheapest plan that fits among the micro-batch counts `ms` (ascending), or None."""
+    def fits(m):
+        return peak_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision, bucket_cap_mb) <= budget_gb * GB
+    few, many = _search(ms, pp)
+    lo = bisect.bisect_left(many, True, key=fits)  # binary search for the first that fits
+    best = None
+    for m in [m for m in few if fits(m)] + many[lo:]:  # at most the divisors of a share (check_sizes)
+        step_s, sent = price(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision, hw, bucket_cap_mb)
+        key = (step_s, bubble_formula(pp, m), sum(sent), ck, sp, m)
+        best = min(best, (key, m)) if best else (key, m)
+    return best and evaluate(cfg, batch, seq_len, dp, tp, pp, zero, best[1], ck, sp, precision, hw, bucket_cap_mb)
+
+
+def _least(cfg, batch, seq_len, dp, tp, pp, zero, ck, sp, ms, precision, bucket_cap_mb) -> tuple:
+    """(the least peak of the family over `ms`, its m): below pp each, from pp on the largest."""
+    few, many = _search(ms, pp)
+    return min((peak_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision, bucket_cap_mb), m)
+               for m in few + many[-1:])
+
+
 def best_per_family(cfg, batch, seq_len, world, budget_gb, precision="bf16", hw=None, bucket_cap_mb=25.0):
     """For every family, its cheapest plan that fits (None where none does)."""
     check_sizes(batch, seq_len, world, budget_gb)
-    for dp, tp, pp, zero, ck, sp in families(cfg, seq_len, world):
-        def fits(m):
-            return peak_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision, bucket_cap_mb) <= budget_gb * GB
-        ms = micro_options(batch, dp)
-        few = [m for m in ms if m < pp]  # in flight: m, so memory may grow with m: each is checked
-        many = [m for m in ms if m >= pp]  # in flight: p - s whatever m: memory falls as m grows
-        lo = bisect.bisect_left(many, True, key=fits)  # binary search for the first that fits
-        best = None
-        for m in [m for m in few if fits(m)] + many[lo:]:
-            step_s, sent = price(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision, hw, bucket_cap_mb)
-            key = (step_s, bubble_formula(pp, m), sum(sent), ck, sp, m)
-            best = min(best, (key, m)) if best else (key, m)
-        yield (dp, tp, pp, zero, ck, sp), (evaluate(cfg, batch, seq_len, dp, tp, pp, zero, best[1], ck, sp,
-                                                    precision, hw, bucket_cap_mb) if best else None)
+    for f in families(cfg, seq_len, world):
+        yield f, _family_best(cfg, batch, seq_len, *f, micro_options(batch, f[0]), budget_gb, precision, hw,
+                              bucket_cap_mb)
 
 
 def plan_mesh(cfg: GPTConfig, batch: int, seq_len: int, world: int, budget_gb: float, precision: str = "bf16",
@@ -183,15 +196,17 @@ def plan_on_mesh(cfg, batch, seq_len, dp, tp, pp, budget_gb, precision="bf16", s
     given (None: all that the mesh allows): what train_gpt's auto flags mean on a mesh."""
     check_sizes(batch, seq_len, dp, budget_gb)
     valid = micro_options(batch, dp)
-    ms = [m for m in (micros or valid) if m in valid]
+    ms = sorted(set(micros or valid) & set(valid))
     if not ms:
         raise PlanError(f"{batch} sequences over {dp} data-parallel ranks do not split into {micros} "
-                        f"micro-batches: choose from {valid}")
-    plans = [evaluate(cfg, batch, seq_len, dp, tp, pp, z, m, ck, sp, precision, hw, bucket_cap_mb)
-             for z in (zeros or zero_stages(tp, pp)) for m in ms for ck in ckpts]
-    fits = [c for c in plans if c.peak <= budget_gb * GB]
+                        f"micro-batches: choose from {some(valid)}")
+    given = [(dp, tp, pp, z, ck, sp) for z in (zeros or zero_stages(tp, pp)) for ck in ckpts]  # families
+    fits = [c for f in given if (c := _family_best(cfg, batch, seq_len, *f, ms, budget_gb, precision, hw,
+                                                   bucket_cap_mb))]
     if not fits:
-        least = min(plans, key=lambda c: c.peak)
+        _, m, (_, _, _, z, ck, _) = min((*_least(cfg, batch, seq_len, *f, ms, precision, bucket_cap_mb), f)
+                                        for f in given)
+        least = evaluate(cfg, batch, seq_len, dp, tp, pp, z, m, ck, sp, precision, hw, bucket_cap_mb)
         raise PlanError(f"nothing fits {budget_gb:g} GB per rank on {least.mesh()}: the least, {least.describe()}, "
                         f"needs {least.peak / GB:.1f} GB; use more ranks, a shorter --seq-len, a smaller model "
                         "or a larger --memory-budget-gb")
@@ -207,11 +222,10 @@ def explain(c: Plan, budget_gb: float) -> str:
 
 def _nothing_fits(cfg, batch, seq_len, world, budget_gb, precision, bucket_cap_mb) -> str:
     """Says what the least memory on this world is, and what to change."""
-    least = min((peak_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision, bucket_cap_mb),
-                 (dp, tp, pp, zero, m, ck, sp))
-                for dp, tp, pp, zero, ck, sp in families(cfg, seq_len, world) for m in micro_options(batch, dp))
-    dp, tp, pp, zero, m, ck, sp = least[1]
+    peak, m, (dp, tp, pp, zero, ck, sp) = min(
+        (*_least(cfg, batch, seq_len, *f, micro_options(batch, f[0]), precision, bucket_cap_mb), f)
+        for f in families(cfg, seq_len, world))
     return (f"nothing fits {budget_gb:g} GB per rank on {world} ranks: the least, dp {dp} x tp {tp} x pp {pp}, "
             f"ZeRO-{zero}, {m} micro-batches of {batch // (dp * m)}{', sequence parallel' if sp else ''}, "
             f"{'recomputation' if ck else 'no recomputation'}, needs "
-            f"{least[0] / GB:.1f} GB; use more ranks, a shorter --seq-len, a smaller model or a larger --budget-gb")
+            f"{peak / GB:.1f} GB; use more ranks, a shorter --seq-len, a smaller model or a larger --budget-gb")

@@ -8,11 +8,13 @@ sent, recomputation, micro-steps, the stage). Exercised by
     pytest tests/test_plan.py
 
 Memory falls as the micro-steps k grow and the price rises, so each (stage, recomputation)
-family's best is its fewest k that fits: the search stops there.
+family's best is its fewest k that fits, found by bisection over the divisors of a rank's
+share of the batch. Every search is bounded: sizes beyond MAX_COUNT are refused.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from dataclasses import dataclass
@@ -27,6 +29,7 @@ from minidist.memory.recompute import set_activation_checkpointing
 
 CPU_BUDGET_GB = 4.0  # per rank on a CPU, where nothing tells us what a process may use
 GPU_MARGIN = 0.10    # of a GPU's memory left out: CUDA context, allocator cache, NCCL buffers
+MAX_COUNT = 2**24    # sequences, tokens or ranks: beyond any run the cost model describes
 
 
 class PlanError(ValueError):
@@ -76,20 +79,34 @@ def evaluate(cfg: GPTConfig, batch: int, seq_len: int, world: int, stage: int, a
     return Choice(stage, accum, checkpointed, micro, peak, comm_bytes(stage, accum, config_num_params(cfg), world))
 
 
+def divisors(n: int) -> list[int]:
+    """Every divisor of n, ascending: pairs (k, n // k) up to sqrt(n), so a search over
+    them costs sqrt(n) steps, not n (a few thousand at MAX_COUNT)."""
+    return sorted({d for k in range(1, math.isqrt(n) + 1) if n % k == 0 for d in (k, n // k)})
+
+
 def accum_options(batch: int, world: int) -> list[int]:
     """Micro-steps that split this rank's share of the batch evenly."""
     if batch % world:
         raise PlanError(f"a batch of {batch} sequences does not divide over {world} ranks")
-    share = batch // world
-    return [k for k in range(1, share + 1) if share % k == 0]
+    return divisors(batch // world)
+
+
+def some(values: list[int], n: int = 8) -> str:
+    """A list for a message: the first n, and how many more."""
+    return ", ".join(map(str, values[:n])) + (f" (and {len(values) - n} more)" if len(values) > n else "")
 
 
 def check_sizes(batch: int, seq_len: int, world: int, budget_gb: float) -> None:
     """PlanError unless the sizes can describe a run: counts >= 1, a finite budget > 0, and
     a batch that splits over the ranks (a negative size would make a plan "fit")."""
-    for name, v in (("world size", world), ("batch", batch), ("sequence length", seq_len)):
+    for name, v, fix in (("world size", world, "fewer ranks"), ("batch", batch, "a smaller --batch-size"),
+                         ("sequence length", seq_len, "a shorter --seq-len")):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise PlanError(f"the {name} must be an integer >= 1, got {v!r}")
+        if v > MAX_COUNT:  # (and the searches over its divisors stay short)
+            raise PlanError(f"the {name} must be at most {MAX_COUNT:,}, got {v:,}: more than any run the "
+                            f"cost model describes; use {fix}")
     if not (isinstance(budget_gb, (int, float)) and math.isfinite(budget_gb) and budget_gb > 0):
         raise PlanError(f"the memory budget must be a finite number of GB > 0, got {budget_gb!r}")
     if batch % world:
@@ -106,19 +123,21 @@ def plan(cfg: GPTConfig, batch: int, seq_len: int, world: int, budget_gb: float,
     valid = accum_options(batch, world)
     if accums and not set(accums) & set(valid):
         raise PlanError(f"{batch} sequences over {world} ranks do not split into {accums} micro-steps: "
-                        f"choose from {valid}")
+                        f"choose from {some(valid)}")
     accums = sorted(set(accums or valid) & set(valid))
     best, cheapest_miss = None, None
     for stage in stages:
         for ck in ckpts:
-            for k in accums:  # fewest micro-steps first: the first that fits is this family's best
-                c = evaluate(cfg, batch, seq_len, world, stage, k, ck, precision, bucket_cap_mb)
-                if c.peak <= budget:
-                    if best is None or c.price() < best.price():
-                        best = c
-                    break
-                if cheapest_miss is None or c.price() < cheapest_miss.price():
-                    cheapest_miss = c
+            def at(k):
+                return evaluate(cfg, batch, seq_len, world, stage, k, ck, precision, bucket_cap_mb)
+            # memory falls as k grows: the fewest micro-steps that fit is this family's best
+            first = bisect.bisect_left(accums, True, key=lambda k: at(k).peak <= budget)
+            if first < len(accums):
+                c = at(accums[first])
+                best = c if best is None or c.price() < best.price() else best
+            if first > 0:  # a miss: the family's cheapest is its fewest micro-steps
+                c = at(accums[0])
+                cheapest_miss = c if cheapest_miss is None or c.price() < cheapest_miss.price() else cheapest_miss
     if best is None:
         raise PlanError(_nothing_fits(cfg, batch, seq_len, world, budget_gb, precision, stages, bucket_cap_mb))
     line = f"{best.describe()}: {_gb(best.peak)} of {_gb(budget)} GB"

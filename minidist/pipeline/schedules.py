@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from minidist.comm import wait
 from minidist.model import GPT
 
 
@@ -146,12 +147,15 @@ class Stage(nn.Module):
 
 
 def exchange(group, sends=(), recvs=()) -> None:
-    """Post every send (tensor, peer) and receive (buffer, peer) as one batch; wait for all."""
+    """Post every send (tensor, peer) and receive (buffer, peer) as one batch; wait for all,
+    each within the run's timeout: a stopped neighbour is an error naming it, not a hang."""
     ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    what = [f"send to rank {p}" for _, p in sends] + [f"receive from rank {p}" for _, p in recvs]
+    works = dist.batch_isend_irecv(ops) if ops else []  # (one work for all, where a backend coalesces)
+    for w, verb in zip(works, what if len(works) == len(ops) else [", ".join(what)]):
+        wait(w, f"pipeline: rank {dist.get_rank()} could not {verb} in its pp group "
+             f"{dist.get_process_group_ranks(group or dist.group.WORLD)}", hint=": timed out (is that rank stopped?)")
 
 
 class Observer:

@@ -9,36 +9,61 @@ minidist/run/flags.py calls them before any process-group work. Exercised by
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import reprlib
 import tomllib
 
+import torch
+
 from minidist import data
+from minidist.files import NotARegularFile, read_bounded
 from minidist.compose.plan_mesh import plan_on_mesh, zero_stages
 from minidist.memory.plan import PlanError, default_budget_gb, plan
-from minidist.model import PRESETS, GPTConfig
+from minidist.model import PRESETS, GPTConfig, config_num_params
 
 
-def config_argv(p: argparse.ArgumentParser, path: str | None) -> list[str]:
-    """The flags of the TOML file `path` as a command line, to be put before the real one
-    (argparse keeps the last value given: the command line overrides the file). Keys are
-    the flags' names, with dashes or underscores; each value is checked by the flag's own
-    type and choices here, so a bad one exits 2 naming the file, the key and the value."""
-    if path is None:
-        return []
+# ---- --config: a TOML file of flags ----------------------------------------------------
+
+CONFIG_BYTES = 2**20  # a recipe is under 1 KB: a MiB of TOML is not one (and /dev/zero never ends)
+
+
+class FlagParser(argparse.ArgumentParser):
+    """train_gpt's parser. After `blame_config`, an error about a flag whose value came from
+    the --config file names the file and the key first: that is where to change it."""
+    blame = None
+
+    def error(self, message):
+        super().error(self.blame(message) if self.blame else message)
+
+
+def read_config(p, path: str) -> dict:
+    """The table of TOML file `path`, or exit 2 naming it. Refused by kind before it is
+    opened (a FIFO would block) and read bounded (minidist/files.py)."""
     try:
-        with open(path, "rb") as f:
-            table = tomllib.load(f)
+        return tomllib.loads(read_bounded(path, CONFIG_BYTES, "--config").decode("utf-8"))
+    except NotARegularFile as e:
+        p.error(f"{e}: name a TOML file of flags, e.g. recipes/cpu_default.toml")
     except OSError as e:
         p.error(f"--config {path}: {e.strerror or e}")
-    except tomllib.TOMLDecodeError as e:
-        p.error(f"--config {path}: not valid TOML: {e}")
     except UnicodeDecodeError:
         p.error(f"--config {path}: not valid TOML: not UTF-8 text")
+    except tomllib.TOMLDecodeError as e:
+        p.error(f"--config {path}: not valid TOML: {e}")
+    except RecursionError:  # tomllib recurses once per level of [ or {
+        p.error(f"--config {path}: nested too deeply to read: the keys are flags, one value each")
+
+
+def config_values(p, path: str) -> dict:
+    """{dest: (key, value)} of the TOML file `path`: keys are the flags' names, with dashes
+    or underscores; each value is checked by the flag's own type and choices, so a bad one
+    exits 2 naming the file, the key and the value."""
     actions = {a.dest: a for a in p._actions if a.option_strings}
-    out = []
-    for key, value in table.items():
+    out = {}
+    for key, value in read_config(p, path).items():
         dest = key.replace("-", "_")
         flag = "--" + dest.replace("_", "-")
-        where = f"--config {path}: {key} = {value!r}"
+        where = f"--config {path}: key {key} = {reprlib.repr(value)}"  # (reprlib: short, however nested)
         if dest not in actions or dest in ("help", "config"):
             p.error(f"--config {path}: unknown key {key!r}: the keys are train_gpt's flags "
                     f"(python minidist/train_gpt.py --help), e.g. batch_size = 32")
@@ -46,19 +71,46 @@ def config_argv(p: argparse.ArgumentParser, path: str | None) -> list[str]:
         if action.nargs == 0:  # a switch: true or false
             if not isinstance(value, bool):
                 p.error(f"{where}: {flag} is a switch: use true or false")
-            out += [flag] if value else []
+            out[dest] = (key, value)
             continue
         if isinstance(value, (bool, list, dict)):
             p.error(f"{where}: {flag} takes one number or word")
-        text = str(value)
         try:
-            parsed = action.type(text) if action.type else text
+            parsed = action.type(str(value)) if action.type else str(value)
         except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
             p.error(f"{where}: {e}")
         if action.choices is not None and parsed not in action.choices:
             p.error(f"{where}: use one of {', '.join(map(str, action.choices))}")
-        out += [flag, text]
+        out[dest] = (key, parsed)
     return out
+
+
+def config_argv(p: argparse.ArgumentParser, path: str | None) -> list[str]:
+    """The flags of the TOML file `path` as a command line, to be put before the real one
+    (argparse keeps the last value given: the command line overrides the file; a switch the
+    file sets to true, `--no-SWITCH` turns off)."""
+    out = []
+    for dest, (key, value) in (config_values(p, path) if path else {}).items():
+        flag = "--" + dest.replace("_", "-")
+        # FLAG=VALUE: a value that starts with a dash is still read as the value
+        out.append((flag if value else "--no-" + flag[2:]) if isinstance(value, bool) else f"{flag}={value}")
+    return out
+
+
+def blame_config(p: FlagParser, args) -> None:
+    """From here on, an error of `p` that names a flag whose value is the --config file's
+    starts "--config FILE: key KEY: ", for every such key (the command line's own values,
+    and the file's that the command line replaced, are not blamed)."""
+    if not args.config:
+        return
+    values = config_values(p, args.config)
+
+    def blame(message: str) -> str:
+        named = {m.replace("-", "_") for m in re.findall(r"--([a-z][a-z0-9-]*)", message)}
+        keys = [key for dest, (key, value) in values.items()
+                if dest in named and getattr(args, dest, None) == value]
+        return f"--config {args.config}: key{'s' * (len(keys) > 1)} {', '.join(keys)}: {message}" if keys else message
+    p.blame = blame
 
 
 def check_pipeline(p, args, world_size: int) -> None:
@@ -98,6 +150,33 @@ def check_tensor_parallel(p, args, world_size: int) -> None:
                 f"use a multiple of {tp}")
     if args.zero_stage == 3:  # (checkpoints are built: saved by full name and range, they resume at any --tp)
         p.error(f"{what} with --zero-stage 3 is not built yet: use --zero-stage 0, 1 or 2 (or auto)")
+
+
+def rank_memory(device: str) -> int | None:
+    """The most bytes one rank can hold: its GPU's memory, or on a CPU the machine's RAM
+    (None where the system does not say)."""
+    if device == "cuda":
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_model(p, args, world_size: int) -> None:
+    """The model the flags build: its own checks, here rather than inside every rank after
+    start-up, and a size that some run could hold: fp32 weights and gradients, 8 bytes a
+    parameter (every technique here keeps both), over every rank's memory at once (the most
+    ZeRO-3, --tp and --pp could spread them). A larger one fails at its first allocation."""
+    try:
+        cfg = model_of(args, vocab_size=1)  # (the embedding table left out: a lower bound)
+    except (ValueError, ZeroDivisionError) as e:
+        p.error(f"--n-layer/--n-head/--n-embd: {e}")
+    params, memory = config_num_params(cfg), rank_memory(args.device)
+    if memory is not None and 8 * params > world_size * memory:
+        p.error(f"--n-layer {args.n_layer} --n-embd {args.n_embd}: {params / 1e9:,.1f}B parameters, whose fp32 "
+                f"weights and gradients alone take {8 * params / 2**30:,.0f} GiB, more than the "
+                f"{world_size * memory / 2**30:,.0f} GiB of all {world_size} rank(s) together: use a smaller model")
 
 
 def model_of(args, vocab_size: int, dropout: float = 0.0) -> GPTConfig:

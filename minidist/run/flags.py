@@ -18,13 +18,12 @@ import torch.distributed as dist
 
 from minidist import data
 from minidist.checkpoint import faults
-from minidist.run import outputs
-from minidist.run.flag_checks import check_pipeline, check_tensor_parallel, config_argv, plan_auto
-from minidist.run.flag_types import (below_one, folder_name, int_or_auto, loss_scale, mib, nonneg_float,
-                                     nonneg_int, or_auto, positive_float, positive_int, seed_int, up_to_one)
+from minidist.run import flag_types as ft, outputs  # ft: each flag's type and range
+from minidist.run.flag_checks import (FlagParser, blame_config, check_model, check_pipeline, check_tensor_parallel,
+                                      config_argv, plan_auto)
 from minidist.dist import default_timeout_s, env_device, env_world_size
 from minidist.run.locks import in_use_message, lock_holder
-from minidist.model import PRESETS, GPTConfig
+from minidist.model import PRESETS
 from minidist.scaler import LossScaler
 from minidist.checkpoint.resume import resume_from
 
@@ -41,87 +40,87 @@ AUTO = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Train a GPT with any combination of minidist's techniques, each a flag.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = FlagParser(description="Train a GPT with any combination of minidist's techniques, each a flag.",
+                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
     a("--device", default="auto", choices=["auto", "cpu", "cuda"])
     a("--preset", default=None, choices=sorted(PRESETS), help="model size (auto by device)")
-    a("--n-layer", type=positive_int), a("--n-head", type=positive_int), a("--n-embd", type=positive_int)
-    a("--dropout", type=below_one, default=0.0)
-    a("--seq-len", type=positive_int, help="tokens per sequence (default: the preset's block_size)")
-    a("--batch-size", type=positive_int, help="global batch in sequences, over all ranks")
-    a("--steps", type=positive_int, help="optimizer steps")
-    a("--lr", type=positive_float, help="peak learning rate")
-    a("--min-lr-ratio", type=up_to_one, default=0.1, help="final lr as a fraction of --lr")
-    a("--warmup-steps", type=nonneg_int, help="linear warmup steps")
-    a("--weight-decay", type=nonneg_float, default=0.1)
+    a("--n-layer", type=ft.layers), a("--n-head", type=ft.heads), a("--n-embd", type=ft.width)
+    a("--dropout", type=ft.below_one, default=0.0)
+    a("--seq-len", type=ft.tokens, help="tokens per sequence (default: the preset's block_size)")
+    a("--batch-size", type=ft.sequences, help="global batch in sequences, over all ranks")
+    a("--steps", type=ft.steps, help="optimizer steps")
+    a("--lr", type=ft.learning_rate, help="peak learning rate")
+    a("--min-lr-ratio", type=ft.up_to_one, default=0.1, help="final lr as a fraction of --lr")
+    a("--warmup-steps", type=ft.steps_or_none, help="linear warmup steps")
+    a("--weight-decay", type=ft.decay, default=0.1)
     a("--optimizer", choices=["adamw", "muon"],
       help="muon: Muon for the hidden matrices (shared across ranks), AdamW for the rest "
            "(auto: muon on CPU, adamw on GPU)")
-    a("--muon-lr", type=positive_float, default=0.02, help="Muon's peak learning rate (same schedule)")
-    a("--muon-momentum", type=below_one, default=0.95)
-    a("--muon-weight-decay", type=nonneg_float, default=0.0)
+    a("--muon-lr", type=ft.learning_rate, default=0.02, help="Muon's peak learning rate (same schedule)")
+    a("--muon-momentum", type=ft.below_one, default=0.95)
+    a("--muon-weight-decay", type=ft.decay, default=0.0)
     a("--muon-ns-coefficients", default="jordan", choices=["jordan", "polar_express"],
       help="Newton-Schulz coefficients: Keller Jordan's fixed quintic, or the Polar Express "
            "schedule (a quintic per step; chapter 07)")
-    a("--grad-clip", type=nonneg_float, default=1.0, help="max global grad norm (0: off)")
+    a("--grad-clip", type=ft.clip, default=1.0, help="max global grad norm (0: off)")
     a("--tokenizer", help="gpt2 or gpt2-<V> (auto: gpt2-2048 on CPU, gpt2 on GPU)")
     a("--data", help="glob of llm.c .bin train shards (default: embedded Shakespeare)")
     a("--val-data", help="glob of validation shards (with --data)")
-    a("--eval-interval", type=positive_int, help="steps between validation evaluations")
-    a("--eval-windows", type=positive_int, default=64, help="sequences per mid-run evaluation")
-    a("--final-eval-windows", type=positive_int, help="sequences in the final evaluation (default: all)")
-    a("--log-interval", type=positive_int, help="steps between log lines")
+    a("--eval-interval", type=ft.steps, help="steps between validation evaluations")
+    a("--eval-windows", type=ft.windows, default=64, help="sequences per mid-run evaluation")
+    a("--final-eval-windows", type=ft.windows, help="sequences in the final evaluation (default: all)")
+    a("--log-interval", type=ft.steps, help="steps between log lines")
     a("--dp", default="bucketed", choices=["naive", "flat", "bucketed"],
       help="gradient averaging: one all-reduce per parameter after backward, one of a flat "
            "buffer after backward, or buckets overlapped with backward (minidist.ddp.DDP)")
-    a("--bucket-cap-mb", type=mib, default=25.0,
+    a("--bucket-cap-mb", type=ft.mib, default=25.0,
       help="MiB per gradient bucket, the same meaning for --dp bucketed and every --zero-stage: "
            "0 one bucket per parameter, inf one bucket for everything; at --zero-stage 3 a "
            "transformer block larger than the cap is cut into units of about that size")
-    a("--zero-stage", type=int_or_auto, default=0, choices=[0, 1, 2, 3, "auto"],
+    a("--zero-stage", type=ft.int_or_auto, default=0, choices=[0, 1, 2, 3, "auto"],
       help="ZeRO: 1 shards AdamW's state over ranks, 2 also the gradients (reduce-scattered "
            "during backward), 3 also the parameters (gathered per block, prefetched); 0 is "
            "plain data parallelism (--dp); auto: the planner picks (chapter 09, minidist/memory/plan.py)")
-    a("--tp", type=positive_int, default=1,
+    a("--tp", type=ft.heads, default=1,
       help="tensor parallelism (chapter 10): every layer split over this many ranks; the world "
            "is dp x tp (x pp), data parallelism (and ZeRO 1-2) over the dp ranks")
-    a("--pp", type=positive_int, default=1,
+    a("--pp", type=ft.layers, default=1,
       help="pipeline parallelism (chapter 11): the blocks cut into this many stages, one per rank; "
            "the world is dp x tp x pp, --grad-accum-steps micro-batches flow through the stages")
     a("--pp-schedule", default="1f1b", choices=["gpipe", "1f1b"],
       help="with --pp: all forwards then all backwards (gpipe), or one forward one backward (1f1b)")
-    a("--sequence-parallel", action="store_true",
+    a("--sequence-parallel", action=argparse.BooleanOptionalAction, default=False,
       help="with --tp: layer norms, dropout and the residual stream split over the sequence too")
-    a("--grad-accum-steps", type=or_auto(positive_int), default=1,
+    a("--grad-accum-steps", type=ft.or_auto(ft.sequences), default=1,
       help="micro-steps per optimizer step; --batch-size is split over ranks and micro-steps; "
            "auto: the planner picks")
     a("--activation-checkpointing", default="none", choices=["none", "blocks", "auto"],
       help="blocks: keep only each transformer block's input and recompute the block in "
            "backward (minidist/memory/recompute.py); auto: the planner decides")
-    a("--memory-budget-gb", type=positive_float,
+    a("--memory-budget-gb", type=ft.budget_gb,
       help="per rank, for the auto flags (default: the GPU's memory less 10%%; on CPU 4)")
     a("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
       help="autocast dtype of the forward pass; parameters, gradients and optimizer state stay "
            "fp32; fp16 always runs with dynamic loss scaling (minidist.scaler.LossScaler)")
-    a("--loss-scale-init", type=loss_scale, default=2.0**16,
+    a("--loss-scale-init", type=ft.loss_scale, default=2.0**16,
       help="fp16: the first loss scale, 1 to fp32's largest (3.4e38)")
-    a("--loss-scale-growth-interval", type=positive_int, default=2000,
+    a("--loss-scale-growth-interval", type=ft.steps, default=2000,
       help="fp16: clean steps before the loss scale doubles")
-    a("--loss-scale-hysteresis", type=positive_int, default=1,
+    a("--loss-scale-hysteresis", type=ft.steps, default=1,
       help="fp16: consecutive overflows before the loss scale halves (each one skips its step)")
-    a("--seed", type=seed_int, default=1337)
-    a("--sample-tokens", type=nonneg_int, default=120, help="tokens to generate at the end")
-    a("--out-dir", type=folder_name, default="out", help="where metrics.jsonl, loss.png, summary.json go")
-    a("--checkpoint-every", type=nonneg_int, default=0,
+    a("--seed", type=ft.seed_int, default=1337)
+    a("--sample-tokens", type=ft.sample, default=120, help="tokens to generate at the end")
+    a("--out-dir", type=ft.folder_name, default="out", help="where metrics.jsonl, loss.png, summary.json go")
+    a("--checkpoint-every", type=ft.steps_or_none, default=0,
       help="save a checkpoint in OUT_DIR/checkpoints every N steps and at the end (0: never)")
-    a("--keep-checkpoints", type=positive_int, default=2, help="the newest checkpoints to keep")
+    a("--keep-checkpoints", type=ft.checkpoints, default=2, help="the newest checkpoints to keep")
     a("--resume", help="'auto': continue from the newest checkpoint in OUT_DIR/checkpoints if "
       "there is one (for torchrun --max-restarts); or a checkpoint folder, saved on any number "
       "of ranks at any --zero-stage and --tp (into an --out-dir without another run's checkpoints)")
     a("--config", help="a TOML file whose keys are these flags (dashes or underscores), e.g. a "
       "file in recipes/; flags on the command line override it")
-    a("--debug-collectives", action="store_true",
+    a("--debug-collectives", action=argparse.BooleanOptionalAction, default=False,
       help="check every collective against every rank's; name the first that differs (slow)")
     return p
 
@@ -142,7 +141,7 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
     process-group or data work, so a bad input costs nothing and hangs nothing; each is an
     exit with status 2 and one line naming the input and what to use."""
     p = build_parser()
-    check_environment(p)
+    blame_config(p, args)  # an error about a value from --config names the file and the key
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -151,6 +150,7 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
     for k, v in AUTO[args.device].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    check_environment(p, args, world_size)  # (after the defaults: MINIDIST_FAULT's step against --steps)
     context = PRESETS[args.preset]["block_size"]
     if args.seq_len is None:
         args.seq_len = context
@@ -160,10 +160,7 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
     for k in ("n_layer", "n_head", "n_embd"):  # resolved: `--n-layer 4` on tiny is tiny
         if getattr(args, k) is None:
             setattr(args, k, PRESETS[args.preset][k])
-    try:  # the model's own checks, here rather than inside every rank after start-up
-        GPTConfig(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.seq_len)
-    except (ValueError, ZeroDivisionError) as e:
-        p.error(f"--n-layer/--n-head/--n-embd: {e}")
+    check_model(p, args, world_size)  # its own checks, and a size that fits all the ranks' memory
     if args.warmup_steps >= args.steps:  # (each number's own range: its type, build_parser)
         p.error(f"--warmup-steps must be in [0, --steps), got {args.warmup_steps} with --steps {args.steps}"
                 + (f" ({args.warmup_steps} is the {args.device} default: give --warmup-steps below --steps)"
@@ -239,14 +236,15 @@ ENVIRONMENT = {
 }
 
 
-def check_environment(p) -> None:
-    """Every environment variable minidist reads (ENVIRONMENT), checked before any work:
-    MINIDIST_TIMEOUT=abc would otherwise fail inside init, on every rank."""
-    for check in ENVIRONMENT.values():
-        try:
+def check_environment(p, args, world_size: int) -> None:
+    """Every environment variable minidist reads (ENVIRONMENT), checked before any work (MINIDIST_TIMEOUT=abc
+    would fail inside init), and MINIDIST_FAULT against this run: one for a rank or step it lacks never fires."""
+    try:
+        for check in ENVIRONMENT.values():
             check()
-        except ValueError as e:
-            p.error(str(e))
+        faults.check_fault(os.environ.get("MINIDIST_FAULT"), world_size, args.steps, args.checkpoint_every)
+    except ValueError as e:
+        p.error(str(e))
 
 
 def parse_args(argv) -> argparse.Namespace:

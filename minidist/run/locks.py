@@ -1,5 +1,7 @@
 """One run per output folder: rank 0 of a run locks its --out-dir (acquire_lock) before any
-work, and train_gpt's flag checks refuse a folder another live run holds (lock_holder).
+work, and train_gpt's flag checks refuse a folder another live run holds (lock_holder); a
+folder another, ended run left its outputs in is cleared for this run, with them moved
+aside (take_out_dir).
 
 Chapter 08 (chapters/08_at_scale.md). Exercised by `pytest tests/test_reliability.py -k lock`.
 
@@ -18,11 +20,13 @@ import sys
 import time
 from pathlib import Path
 
+from minidist.checkpoint.resume import set_aside
+from minidist.files import read_bounded
 
 LOCK = "run.lock"
 
 
-def _run_id() -> str | None:
+def run_id() -> str | None:
     """What every rank of this run shares and no other run has: torchrun's run id, else the
     rendezvous address; None for one process started by hand."""
     rid = os.environ.get("TORCHELASTIC_RUN_ID")
@@ -39,7 +43,7 @@ def _lock_info(lock: Path, wait_s: float = 1.0) -> dict:
     t_end = time.monotonic() + wait_s
     while True:
         try:
-            info = json.loads(lock.read_text())
+            info = json.loads(read_bounded(lock, 1 << 16, "the lock file"))
             if isinstance(info, dict):
                 return info
         except (OSError, ValueError):
@@ -55,7 +59,7 @@ def lock_holder(out) -> dict | None:
     but nobody holds the flock)."""
     lock = Path(out) / LOCK
     try:
-        fd = os.open(lock, os.O_RDONLY)
+        fd = os.open(lock, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO would block a plain open)
     except OSError:  # no lock file (or not readable, which the output checks report)
         return None
     try:
@@ -69,7 +73,7 @@ def lock_holder(out) -> dict | None:
     finally:
         os.close(fd)
     info = _lock_info(lock)
-    if info.get("run") is not None and info.get("run") == _run_id():
+    if info.get("run") is not None and info.get("run") == run_id():
         return None  # another rank of this run, or its previous attempt, still letting go
     return info
 
@@ -117,7 +121,7 @@ def acquire_lock(out, wait_s: float = 2.0):
         if not same:
             os.close(fd)
             continue
-        note = {"host": socket.gethostname(), "pid": os.getpid(), "run": _run_id(),
+        note = {"host": socket.gethostname(), "pid": os.getpid(), "run": run_id(),
                 "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps(note).encode())
@@ -134,3 +138,56 @@ def release_lock(held) -> None:
     except OSError:
         pass
     os.close(fd)
+
+
+# ---- the outputs an earlier run left ------------------------------------------------------
+
+OUTPUTS = ("metrics.jsonl", "summary.json")  # what tells a run's story (and loss.png, its plot)
+MAX_SUMMARY = 16 << 20  # a summary.json is KBs: the args, the numbers, a sample
+
+
+def _summary(out: Path) -> dict:
+    """`out`'s summary.json, {} when there is none or it is not readable as one."""
+    try:
+        summary = json.loads(read_bounded(out / "summary.json", MAX_SUMMARY, "summary.json"))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return summary if isinstance(summary, dict) else {}
+
+
+def earlier_outputs(out, resume) -> list[str]:
+    """The files of another run in `out` that this one would replace: [] when there are none,
+    or they are this run's own: the run it resumes from `out`'s checkpoints (`resume`), or an
+    earlier attempt of this torchrun job (its summary.json names the job)."""
+    out = Path(out)
+    found = [name for name in OUTPUTS if os.path.lexists(out / name)]
+    here = resume is not None and Path(resume).resolve().parent == (out / "checkpoints").resolve()
+    if not found or here or (run_id() is not None and _summary(out).get("run") == run_id()):
+        return []
+    return found + (["loss.png"] if os.path.lexists(out / "loss.png") else [])
+
+
+def take_out_dir(out, resume, auto: bool, log=print) -> None:
+    """Rank 0, before any work, holding the lock: another run's outputs in `out` are moved
+    aside, into earlier_run_<when it last wrote>/, rather than replaced (moved, not refused:
+    the chapters' commands share the default --out-dir, and nothing is lost); with --resume
+    auto (`auto`), so are the checkpoints it skipped as damaged (newer than `resume`, the
+    one it takes), so that this run can save those steps. Each move is said in the log."""
+    out = Path(out)
+    found = earlier_outputs(out, resume)
+    if found:
+        newest = max(os.lstat(out / name).st_mtime for name in found)
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(newest))  # when that run last wrote
+        where, n = out / f"earlier_run_{stamp}", 1
+        while where.exists():
+            n += 1
+            where = out / f"earlier_run_{stamp}_{n}"
+        where.mkdir()
+        for name in found:
+            os.replace(out / name, where / name)
+        log(f"--out-dir {out} held another run's {', '.join(found)}: moved them to {where}/, so "
+            "that this run's own do not replace them")
+    if auto:
+        for old, new in set_aside(out / "checkpoints", resume):
+            log(f"--resume auto: moved the damaged {old.name} it skipped to {new.name}, so that this "
+                f"run can save that step (inspect it: python -m minidist.run.checkpoints {new})")

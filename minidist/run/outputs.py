@@ -1,19 +1,33 @@
 """What a run of train_gpt leaves and how it ends: metrics.jsonl, written as it goes, in
 strict JSON (a NaN is written as null); the loss plot; the watch that stops a run whose loss
 stays non-finite; and Ending: summary.json and one line saying how to resume. Chapter 08
-(chapters/08_at_scale.md) uses these endings. Exercised by tests/test_reliability.py.
+(chapters/08_at_scale.md) uses these endings. Exercised by tests/test_reliability.py and
+tests/test_outputs.py.
+
+Every file here tells the truth at every moment, a kill or a full disk included:
+summary.json says "running" from the run's first write to its end (mark_running), and it
+and loss.png are replaced whole (atomic_write), never left cut or 0 bytes; metrics.jsonl
+holds whole rows only (MetricsFile).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import math
 import os
 import shlex
+import socket
+import stat
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+from minidist.checkpoint.io import atomic_write
 from minidist.checkpoint.schema import finite_or_none, to_json  # noqa: F401 (strict JSON, as meta.json)
+from minidist.files import kind_of
+from minidist.run.locks import run_id
 
 
 def plot_losses(rows, path) -> None:
@@ -29,7 +43,29 @@ def plot_losses(rows, path) -> None:
         ax.plot(*zip(*va), "o-", label="validation")
     ax.set(xlabel="step", ylabel="loss (nats/token)", title="minidist train_gpt")
     ax.legend(), ax.grid(alpha=0.3)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
+
+
+def write_json(path, obj) -> None:
+    """`obj` as strict JSON in `path`, atomically: the old file or the whole new one."""
+    atomic_write(Path(path), lambda tmp: Path(tmp).write_text(to_json(obj, indent=1)))
+
+
+def mark_running(out, settings: dict) -> None:
+    """summary.json, replaced as a run starts writing in `out` by one that says it is in
+    progress: a run killed before its end (rank 0 lost) never leaves an earlier run's
+    "completed" beside its own metrics. Marked rather than removed: the folder says which
+    run is there (or was, killed, if this stays), and a restart of the same torchrun job
+    knows its own. If not even this fits on the disk, the old one is removed."""
+    path = Path(out) / "summary.json"
+    note = {"ended": "running", "why": "in progress, or killed: a run that ends says how here",
+            "run": run_id(), "host": socket.gethostname(), "pid": os.getpid(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": settings.get("steps"),
+            "resumed_from": settings.get("resume"), "args": settings}
+    try:
+        write_json(path, note)
+    except OSError:
+        path.unlink(missing_ok=True)
 
 
 # ---- what a run writes, as it goes ------------------------------------------------
@@ -49,11 +85,16 @@ def output_problem(out, checkpoints: bool = False) -> str | None:
     except OSError as e:
         return f"--out-dir {out} cannot be written ({e.strerror or e}): choose another folder"
     for f in (os.path.join(out, name) for name in OUTPUT_FILES):
-        if os.path.isdir(f):
-            return f"{f} is a folder, but the run writes a file there: move it away, or choose another --out-dir"
         try:
-            if os.path.exists(f):
-                open(f, "a").close()  # opened for writing, nothing written
+            mode = os.stat(f).st_mode
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            return f"{f} cannot be read ({e.strerror or e}): fix it, or choose another --out-dir"
+        if not stat.S_ISREG(mode):  # a FIFO opened to write would block: refused by kind
+            return f"{f} is {kind_of(mode)}, but the run writes a file there: move it away, or choose another --out-dir"
+        try:
+            os.close(os.open(f, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))  # opened to write, nothing written
         except OSError as e:
             return f"{f} cannot be written ({e.strerror or e}): fix its permissions, or choose another --out-dir"
     root = os.path.join(out, "checkpoints")
@@ -69,25 +110,47 @@ def output_problem(out, checkpoints: bool = False) -> str | None:
 
 
 class MetricsFile(list):
-    """The log rows of a run, a list that also appends each row to `path` (metrics.jsonl),
-    flushed, so a kill keeps every row so far. It starts with `rows` (a resumed run's), so
-    it reads as one run. `write=False` (ranks other than 0): a plain list."""
+    """The log rows of a run, a list that also appends each row to `path` (metrics.jsonl) as
+    it comes, so a kill keeps every row so far. It starts with `rows` (a resumed run's),
+    written whole and atomically, so it reads as one run. Each row is then one write() at
+    the file's end; one that fails (a full disk) is cut back off, so the file never holds a
+    cut row, and the rows not written go with the next write that works (the list keeps
+    them all; `error` says why while some are missing). `write=False` (ranks other than
+    0): a plain list."""
 
     def __init__(self, path, rows=(), write: bool = True):
-        super().__init__()
-        self.file = open(path, "w") if write else None
-        for row in rows:
-            self.append(row)
+        super().__init__(rows)
+        self.path, self.fd, self.written, self.error = Path(path), None, len(self), None
+        if write:
+            atomic_write(self.path, lambda tmp: Path(tmp).write_text("".join(to_json(r) + "\n" for r in self)))
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
 
     def append(self, row) -> None:
         super().append(row)
-        if self.file:
-            self.file.write(to_json(row) + "\n")
-            self.file.flush()
+        self._write()
+
+    def _write(self) -> None:
+        if self.fd is None or self.written == len(self):
+            return
+        data = "".join(to_json(r) + "\n" for r in self[self.written:]).encode()
+        end = os.lseek(self.fd, 0, os.SEEK_END)
+        try:
+            if os.write(self.fd, data) != len(data):  # the disk filled up within this write
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+            self.written, self.error = len(self), None
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, end)  # no cut row left for a reader to take as whole
+            if self.error is None:
+                print(f"warning: {self.path}: the row of step {self[self.written].get('step')} not written "
+                      f"({e}); kept, and written with the next row that fits", file=sys.stderr, flush=True)
+            self.error = e
 
     def close(self) -> None:
-        if self.file:
-            self.file.close()
+        if self.fd is not None:
+            self._write()
+            os.close(self.fd)
+            self.fd = None
 
 
 NONFINITE_STEPS = 3  # consecutive non-finite losses that stop a run
@@ -160,6 +223,20 @@ class Ending:
             return f"no checkpoint to resume from (--checkpoint-every N saves them); start again: {self.resume_command()}"
         return f"newest intact checkpoint {self.good}; resume: {self.resume_command()}"
 
+    def write(self, summary: dict) -> str:
+        """summary.json (with this run's id) and loss.png, each whole or not at all (rank 0);
+        returns what could not be written, a note for the run's last line ("" if nothing)."""
+        self.rows.close()
+        notes = [f"metrics.jsonl lacks its last {len(self.rows) - self.rows.written} rows: "
+                 f"{self.rows.error}"] if self.rows.error else []
+        try:
+            write_json(self.out / "summary.json", {**summary, "run": run_id()})
+            if any("loss" in r for r in self.rows):
+                plot_losses(self.rows, self.out / "loss.png")
+        except Exception as e:  # the run's last line matters more than these files
+            notes.append(f"summary.json or loss.png could not be written: {e}")
+        return "".join(f" (and {n})" for n in notes)
+
     def end(self, how: str, line: str, step: int, facts: dict) -> None:
         self.rows.close()
         if not self.is_main:
@@ -167,13 +244,7 @@ class Ending:
         summary = {"ended": how, "why": line, "stopped_at_step": step, "steps": self.args.steps,
                    "checkpoint": self.good and str(self.good), "resume": self.resume_command(),
                    **facts, "world_size": self.world, "args": vars(self.args)}
-        try:
-            (self.out / "summary.json").write_text(to_json(summary, indent=1))
-            if any("loss" in r for r in self.rows):
-                plot_losses(self.rows, self.out / "loss.png")
-        except Exception as e:  # the line below matters more than these files
-            line += f" (and summary.json or loss.png could not be written: {e})"
-        self.say(line)
+        self.say(line + self.write(summary))
 
     def stop(self, how: str, why: str, step: int, facts: dict, exit_code: int = 1, since=None):
         """End the run early or badly: everything written, the line said, RunStopped raised

@@ -26,7 +26,7 @@ from minidist.model import PRESETS, GPTConfig, config_num_params
 from minidist.run.flag_types import positive_float, positive_int
 
 CONFIGS = {**{k: GPTConfig(**v) for k, v in PRESETS.items()}, **MODELS}
-MAX_COUNT = 2**24  # ranks, tokens or sequences: beyond any machine the cost model describes
+MAX_COUNT = P.MAX_COUNT  # ranks, tokens or sequences: the planners refuse more (their searches stay short)
 
 
 def _memory_here() -> float:
