@@ -17,4 +17,5 @@ BOOK = (
     "minidist.memory.recompute",         # 09 recomputation (activation checkpointing)
     "minidist.tensor_parallel.layers",   # 10 the f/g pair, column/row layers, the parallel MLP/attention
     "minidist.pipeline.schedules",       # 11 stages, GPipe and 1F1B
+    "minidist.context_parallel.ring",    # 12 ring attention, online softmax
 )
