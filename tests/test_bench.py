@@ -19,19 +19,51 @@ QUICK = {"collectives": [], "muon": ["--world-sizes", "2"], "zero": ["--world-si
          "tp": ["--world-sizes", "2"], "pp": []}
 
 
+# One process runs the four short ones in a row, through the command's own entry
+# (minidist.bench.__main__.main, with the arguments a user types): each separate process
+# would spend seconds importing torch and matplotlib and starting its fork server first.
+_IN_A_ROW = """
+import contextlib, io, json, sys, traceback
+from minidist.bench.__main__ import main
+for name, argv, log in json.loads(sys.argv[1]):
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(argv)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:  # noqa: BLE001 - reported as the benchmark's failure
+            traceback.print_exc()
+            code = 1
+    with open(log, "w") as f:
+        json.dump({"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()}, f)
+"""
+
+
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
-    """{name: (its CompletedProcess, its --out folder)}: the QUICK benchmarks run two at a
-    time (each mostly waits for its ranks to start and meet, so two share 2 cores well;
-    none of these tests asserts a speed)."""
+    """{name: (its outcome: returncode, stdout, stderr; its --out folder)}: the muon
+    benchmark, the longest, as a user starts it (`python -m minidist.bench muon --quick`),
+    while one other process runs the four others in a row (none of these tests asserts a
+    speed)."""
     import concurrent.futures
+    from types import SimpleNamespace
+    outs = {name: tmp_path_factory.mktemp(name) for name in QUICK}
+    rest = [[name, [name, "--quick", *QUICK[name], "--out", str(outs[name])], str(outs[name] / "log.json")]
+            for name in ("collectives", "zero", "tp", "pp")]
 
-    def one(name):
-        out = tmp_path_factory.mktemp(name)
-        cmd = [sys.executable, "-m", "minidist.bench", name, "--quick", *QUICK[name], "--out", str(out)]
-        return name, (run(cmd, timeout=600), out)
+    def alone():
+        return run([sys.executable, "-m", "minidist.bench", "muon", "--quick", *QUICK["muon"],
+                    "--out", str(outs["muon"])], timeout=600)
+
+    def in_a_row():
+        done = run([sys.executable, "-c", _IN_A_ROW, json.dumps(rest)], timeout=600)
+        assert done.returncode == 0, done.stderr
+        return {name: SimpleNamespace(**json.loads(open(log).read())) for name, _, log in rest}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        return dict(pool.map(one, ["muon", "collectives", "zero", "tp", "pp"]))  # the longest first
+        muon, others = pool.submit(alone), pool.submit(in_a_row)
+        results = {"muon": muon.result(), **others.result()}
+    return {name: (r, outs[name]) for name, r in results.items()}
 
 
 def test_collectives_benchmark_quick(bench):

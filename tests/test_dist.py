@@ -111,24 +111,9 @@ def test_a_rank_that_exits_is_a_launch_error_not_the_callers_exit():
         launch(_exits, 2, "bye")
 
 
-def test_launch_from_a_notebook(tmp_path):
-    """A function defined in a notebook cell lives in __main__ of the kernel: spawn cannot
-    import it, so launch ships it by value. Execute a real notebook to prove it."""
-    import nbformat
-    from nbclient import NotebookClient
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(
-        "import torch, torch.distributed as dist\n"
-        "from minidist.launch import launch\n"
-        "SCALE = 10.0\n"
-        "def work(x):\n"
-        "    t = torch.tensor([x * (dist.get_rank() + 1)])\n"
-        "    dist.all_reduce(t)\n"
-        "    return t.item() * SCALE\n"
-        "result = launch(work, 2, 1.5)\n"
-        "assert result == [45.0, 45.0], result\n")]
-    NotebookClient(nb, timeout=120, kernel_name="python3",
-                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+# Launching a function defined in a notebook cell (it lives in the kernel's __main__, which
+# a spawned child cannot import: launch ships it by value, with the globals it uses) is
+# what every notebook does: tests/test_frames.py runs them all.
 
 
 # -- Pool: launch's contract, on processes that serve many calls

@@ -14,7 +14,7 @@ from conftest import run
 from minidist import checkpoint
 from minidist.checkpoint import faults
 from minidist.ddp import DDP
-from minidist.launch import launch
+from minidist.launch import LaunchError, launch
 from minidist.model import GPT, GPTConfig
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--seq-len", "16", "--batch-size", "8",
@@ -30,13 +30,13 @@ def _torchrun(out, *extra, restarts=0, fault=None):
     return run(cmd, timeout=300, env={"MINIDIST_FAULT": fault} if fault else {"MINIDIST_FAULT": ""})
 
 
-def _whole(out):
-    """The uninterrupted run, as an oracle: train_gpt's main on 2 launched ranks (the
-    arithmetic torchrun's ranks do, without starting torchrun and its workers)."""
+def _job(out, fault=""):
+    """train_gpt's main on 2 launched ranks: what torchrun's ranks do, without starting
+    torchrun and its workers (torchrun below only where its restart is the point)."""
     import os
     from minidist import train_gpt
     train_gpt.cleanup = lambda: None  # launch ends the group
-    os.environ["MINIDIST_FAULT"] = ""
+    os.environ["MINIDIST_FAULT"] = fault
     train_gpt.main([*TINY, "--out-dir", out])
 
 
@@ -48,23 +48,22 @@ def _final(out):
 
 
 def test_killed_rank_and_killed_save_resume_exactly(tmp_path):
-    """The uninterrupted run on 2 launched ranks; then two torchrun jobs, each killing once:
-    a run whose rank 1 is killed while writing step 4's checkpoint (no restart: the job
-    fails); and that run started again by hand, whose rank 1 is killed after step 5 and
-    which torchrun restarts. The last job resumes twice (from the killed save's
-    predecessor, then from a checkpoint a resumed run wrote) and must end bitwise where
-    the uninterrupted run ends."""
-    launch(_whole, 2, str(tmp_path / "whole"), timeout_s=300)
+    """Three jobs: the uninterrupted run; a run whose rank 1 is killed while writing step
+    4's checkpoint (the job fails); and that run started again by hand under torchrun,
+    whose rank 1 is killed after step 5 and which torchrun restarts. The last job resumes
+    twice (from the killed save's predecessor, then from a checkpoint a resumed run wrote)
+    and must end bitwise where the uninterrupted run ends."""
+    launch(_job, 2, str(tmp_path / "whole"), timeout_s=300)
     whole, whole_losses = _final(tmp_path / "whole")
     assert len(whole_losses) == 6
     scales = [r["loss_scale"] for r in map(json.loads, (tmp_path / "whole" / "metrics.jsonl")
                                            .read_text().splitlines()) if "loss_scale" in r]
     assert len(set(scales)) > 1  # the scale moved, so resuming it matters
 
-    # rank 1 is SIGKILLed while writing step 4's checkpoint: no restart, the job fails
+    # rank 1 is SIGKILLed while writing step 4's checkpoint: the job fails
     out = tmp_path / "killed"
-    r = _torchrun(out, restarts=0, fault="kill:save:4:1")
-    assert r.returncode != 0 and "injected fault: SIGKILL rank 1 at save 4" in r.stderr
+    with pytest.raises(LaunchError, match="rank 1 of 2 exited with code -9"):
+        launch(_job, 2, str(out), "kill:save:4:1", timeout_s=300)
     assert [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")] == ["step_00000002"]
     assert (out / "checkpoints" / ".tmp_step_00000004").is_dir()  # the unfinished one, hidden
 

@@ -118,7 +118,9 @@ def notebook_runs():
     the quick size its parameters cell defines (the kernel inherits the environment; a
     reader's run keeps the size it picks), each in its own kernel, two at a time: a run
     spends much of its time waiting for kernels and ranks to start, so two share the
-    cores well. Nothing in a notebook asserts a timing."""
+    cores well. Nothing in a notebook asserts a timing. Each kernel is stopped at once
+    when its last cell has run (a graceful shutdown waits seconds for nothing the test
+    reads; its launched ranks and pools end with it)."""
     import concurrent.futures
     import nbformat
     from nbclient import NotebookClient
@@ -126,7 +128,7 @@ def notebook_runs():
     def run(nb):
         try:
             NotebookClient(nbformat.read(nb, as_version=4), timeout=600, kernel_name="python3",
-                           resources={"metadata": {"path": str(nb.parent)}}).execute()
+                           shutdown_kernel="immediate", resources={"metadata": {"path": str(nb.parent)}}).execute()
         except Exception as e:  # noqa: BLE001 - handed to the notebook's own test
             return e
         return None
