@@ -12,16 +12,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# Set at import time, so processes the tests start (launch, torchrun) inherit it too.
-_OWN_DATA = None if "MINIDIST_DATA" in os.environ else tempfile.mkdtemp(prefix="minidist-test-data-")
-os.environ.setdefault("MINIDIST_DATA", _OWN_DATA or "")
+# Set at import time, so processes the tests start (launch, torchrun, notebook kernels)
+# inherit them. Whatever this session's processes put in the temp folder (pytest's
+# tmp_path, the data cache, multiprocessing's and torchrun's scratch folders, a killed
+# kernel's) goes in one folder of its own, removed at the end.
+_OWN_TMP = tempfile.mkdtemp(prefix="minidist-test-")
+os.environ["TMPDIR"] = tempfile.tempdir = _OWN_TMP
+os.environ.setdefault("MINIDIST_DATA", os.path.join(_OWN_TMP, "data"))
 os.environ.setdefault("MINIDIST_TIMEOUT", "120")
 
 
 def pytest_unconfigure(config):
-    """The data cache this session made goes with it: a learner's temp folder does not fill."""
-    if _OWN_DATA is not None:
-        shutil.rmtree(_OWN_DATA, ignore_errors=True)
+    """The session's temp folder goes with it: a learner's temp folder does not fill."""
+    shutil.rmtree(_OWN_TMP, ignore_errors=True)
 
 
 def run(cmd, timeout=300, env=None, **kw):

@@ -113,37 +113,30 @@ def test_named_commands_exist(doc):
 
 
 @pytest.fixture(scope="module")
-def notebook_runs():
-    """{notebook name: None, or the error of its run}: every notebook run top to bottom at
-    the quick size its parameters cell defines (the kernel inherits the environment; a
-    reader's run keeps the size it picks), each in its own kernel, two at a time: a run
-    spends much of its time waiting for kernels and ranks to start, so two share the
-    cores well. Nothing in a notebook asserts a timing. Each kernel is stopped at once
-    when its last cell has run (a graceful shutdown waits seconds for nothing the test
-    reads; its launched ranks and pools end with it)."""
+def notebook_runs(request):
+    """{notebook name: None, or the error of its run}: each notebook whose test was chosen
+    run top to bottom at the quick size its parameters cell defines (a reader's run keeps
+    the size it picks), each in its own kernel, two at a time: a run spends much of its
+    time waiting for kernels and ranks to start, so two share the cores well. Nothing in a
+    notebook asserts a timing. Each kernel is stopped at once when its last cell has run
+    (a graceful shutdown waits seconds for nothing the test reads; its ranks end with it)."""
     import concurrent.futures
     import nbformat
     from nbclient import NotebookClient
+    env = {**os.environ, "MINIDIST_NB_SIZE": "quick", "MINIDIST_QUICK": "1"}
 
     def run(nb):
         try:
             NotebookClient(nbformat.read(nb, as_version=4), timeout=600, kernel_name="python3",
-                           shutdown_kernel="immediate", resources={"metadata": {"path": str(nb.parent)}}).execute()
+                           shutdown_kernel="immediate",
+                           resources={"metadata": {"path": str(nb.parent)}}).execute(env=env)
         except Exception as e:  # noqa: BLE001 - handed to the notebook's own test
             return e
         return None
-    quick = {"MINIDIST_NB_SIZE": "quick", "MINIDIST_QUICK": "1"}
-    before = {k: os.environ.get(k) for k in quick}
-    os.environ.update(quick)
-    try:
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            return dict(zip([nb.name for nb in NOTEBOOKS], pool.map(run, NOTEBOOKS)))
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    chosen = [nb for nb in NOTEBOOKS if any(nb.name in item.name for item in request.session.items
+                                            if item.originalname == "test_notebook_runs_top_to_bottom")]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return dict(zip([nb.name for nb in chosen], pool.map(run, chosen)))
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.name)
