@@ -2,6 +2,7 @@
 helpers to run commands the way a user would, and `pool`: process groups that many tests
 share (tests/helpers.py holds the tiny model, batches and oracles)."""
 
+import multiprocessing.util
 import os
 import shutil
 import subprocess
@@ -20,11 +21,10 @@ _OWN_TMP = tempfile.mkdtemp(prefix="minidist-test-")
 os.environ["TMPDIR"] = tempfile.tempdir = _OWN_TMP
 os.environ.setdefault("MINIDIST_DATA", os.path.join(_OWN_TMP, "data"))
 os.environ.setdefault("MINIDIST_TIMEOUT", "120")
-
-
-def pytest_unconfigure(config):
-    """The session's temp folder goes with it: a learner's temp folder does not fill."""
-    shutil.rmtree(_OWN_TMP, ignore_errors=True)
+# Removed as this process exits, after multiprocessing has removed its own scratch folder
+# in it (that finalizer runs at exit priority -100; lower runs later).
+multiprocessing.util.Finalize(None, shutil.rmtree, args=(_OWN_TMP,), kwargs={"ignore_errors": True},
+                              exitpriority=-101)
 
 
 def run(cmd, timeout=300, env=None, **kw):
