@@ -9,6 +9,7 @@ Chapter 01 (chapters/01_gpt.md) is the baseline this runs by default. Exercised 
     torchrun --standalone --nproc_per_node=2 --max-restarts=3 minidist/train_gpt.py \
         --checkpoint-every 50 --resume auto                # ch. 08: survives a killed rank
     torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --pp 2 --grad-accum-steps 4  # ch. 11
+    torchrun --standalone --nproc_per_node=4 minidist/train_gpt.py --cp 2 --cp-attention ring  # ch. 12
     torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py --config recipes/cpu_default.toml
 
 On CPU it trains a tiny GPT on Shakespeare with a 2048-token cut of GPT-2's BPE; on a
@@ -112,11 +113,12 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
     # chapter 10: the ranks as a dp x tp grid; each replica's tp ranks hold slices of its
     # layers (cut from the identical full model) and share its batch
     # chapter 11: a pp x dp (x tp) grid; each rank holds one stage, its contiguous blocks
-    mesh = make_mesh(tp=args.tp, pp=args.pp) if args.tp > 1 or args.pp > 1 else None
+    # chapter 12: dp x cp; each replica's cp ranks hold a slice of each of its sequences
+    mesh = make_mesh(tp=args.tp, pp=args.pp, cp=args.cp) if max(args.tp, args.pp, args.cp) > 1 else None
     dp, dp_rank, group = (mesh.dp, mesh.dp_rank, mesh.dp_group) if mesh else (info.world_size, info.rank, None)
-    model = shard_model(model, mesh, args.sequence_parallel)
+    model = shard_model(model, mesh, args.sequence_parallel, args.cp_attention, args.cp_layout)
     set_activation_checkpointing(model, args.activation_checkpointing == "blocks")  # chapter 09
-    opts = make_optimizers(model, group=group, **optimizer_options(args))
+    opts = make_optimizers(model, group=mesh and mesh.dp_cp_group, **optimizer_options(args))  # (ZeRO, Muon)
     sync = gradient_sync(model, opts, zero_stage=args.zero_stage, dp=args.dp, bucket_cap_mb=args.bucket_cap_mb,
                          mesh=mesh)  # DDP (--dp), the ZeRO optimizer, or a mesh's or a stage's sync
     scaler = make_scaler(args)
@@ -209,7 +211,7 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
                     + f" | mem {row['mem_gb']:.2f} GB")
             if args.checkpoint_every and diverged is None and \
                     ((step + 1) % args.checkpoint_every == 0 or last or ending):  # (a signal: saved)
-                _save(run, step + 1, loss, model, opts, scaler, cfg, args, facts)
+                run.save(step + 1, loss, model, opts, scaler, cfg, args, facts)
             faults.inject_fault("step", step + 1, info.rank)
             if diverged is not None:
                 run.stop("diverged", f"stopped: {diverged}", step + 1, facts(), since=watch.since)
@@ -266,30 +268,13 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
 def _axes(args, dp: int) -> str:
     """The mesh for the log: "dp flat x 2, tp 2 + sequence parallel, pp 2"."""
     out = f"dp {args.dp if args.pp == 1 or args.dp == 'naive' else 'flat'}"
-    if args.tp > 1 or args.pp > 1:
+    if args.tp > 1 or args.pp > 1 or args.cp > 1:
         out += f" x {dp}"
+    if args.cp > 1:
+        out += f", cp {args.cp} ({args.cp_attention}, {args.cp_layout})"
     if args.tp > 1:
         out += f", tp {args.tp}" + (" + sequence parallel" if args.sequence_parallel else "")
     return out + (f", pp {args.pp}" if args.pp > 1 else "")
-
-
-def _save(run, step, loss, model, opts, scaler, cfg, args, facts) -> None:
-    """A checkpoint, unless the loss or anything it would hold is not finite: such a
-    checkpoint would become the newest, and pruning would delete the good ones. A save that
-    fails (a full disk) stops the run with its one line: what failed, and where to resume."""
-    finite_loss = math.isfinite(loss)
-    if finite_loss:
-        try:  # (checkpoint.save itself refuses non-finite weights, optimizer state, loss scale)
-            run.good = checkpoint.save(Path(args.out_dir) / "checkpoints", step, model, opts, scaler,
-                                       keep=args.keep_checkpoints, extra={"settings": vars(args),
-                                                                          "rows": run.rows, "config": cfg.to_dict()})
-            return
-        except checkpoint.NonFiniteCheckpointError:
-            pass
-        except checkpoint.SaveError as e:
-            run.stop("failed", f"stopped at step {step}: {e}", step, {**facts(), "error": str(e)})
-    run.say(f"step {step}: no checkpoint saved: the {'loss is' if not finite_loss else 'model or optimizer state is'} "
-            f"not finite; the newest good one stays {run.good or 'none'}")
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@ Ulysses attention equal to F.scaled_dot_product_attention on the whole sequence,
 the gradients of q, k and v, causal and not, contiguous and zigzag, at N = 2, 3, 4; the work
 per rank the ring counts against its closed form (the causal imbalance and zigzag's cure);
 the bytes each way sends, counted by comm.count_bytes, against theirs; minidist's all-to-all
-against torch's all_to_all_single; bad shapes refused with what to use. One pool call per N
-does every check, with each oracle computed once per configuration."""
+against torch's all_to_all_single; bad shapes refused with what to use; the GPT over a cp
+group (context_parallel/gpt.py) against the one-process GPT: the loss, every gradient (summed
+over the cp ranks), bf16 autocast and sampling. One pool call per N does every check, with
+each oracle computed once per configuration."""
 
 import functools
 
@@ -14,8 +16,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from minidist import comm
-from minidist.context_parallel import (ATTENTIONS, LAYOUTS, attention_bytes, chunk_ids, count_work,
-                                       gather_sequence, imbalance, positions, ring_work, split_sequence)
+from minidist.context_parallel import (ATTENTIONS, LAYOUTS, ContextParallelGPT, attention_bytes, chunk_ids,
+                                       count_work, gather_sequence, imbalance, positions, ring_work,
+                                       split_sequence)
+from minidist.model import GPT, GPTConfig
 
 NS = (2, 3, 4)
 B, D = 1, 8
@@ -97,13 +101,50 @@ def _refusals():
     return said
 
 
+def _gpt_cases():
+    """The cp GPT, every way x layout, against the one-process GPT on the same whole batch:
+    {(way, layout): (loss error, largest gradient error, bf16 loss error, sampled alike)}."""
+    n = dist.get_world_size()
+    torch.manual_seed(0)  # the same model and batch on every rank
+    cfg = GPTConfig(n_layer=2, n_head=n, n_embd=8 * n, block_size=4 * n, vocab_size=64)
+    one = GPT(cfg)
+    x, y = torch.randint(0, 64, (2, 4 * n)), torch.randint(0, 64, (2, 4 * n))
+    y[0, 1] = -1  # a masked target counts nowhere
+    loss = one(x, y, reduction="sum")[1]
+    loss.backward()
+    want = {name: p.grad for name, p in one.named_parameters()}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want_bf16 = one(x, y, reduction="sum")[1].item()
+    prompt, greedy = x[:1, :3], dict(max_new_tokens=4 * n - 3, top_k=1)
+    sampled = one.generate(prompt, **greedy)
+    out = {}
+    for way in ATTENTIONS:
+        for layout in LAYOUTS:
+            cp = ContextParallelGPT(one, None, way, layout)
+            xl, yl = (split_sequence(t, None, 1, layout) for t in (x, y))
+            got = cp(xl, yl, reduction="sum")[1]
+            got.backward()
+            total = got.detach().reshape(1)
+            dist.all_reduce(total)
+            grad_err = 0.0
+            for name, p in cp.named_parameters():
+                dist.all_reduce(p.grad)  # the whole gradient: every rank's share, summed
+                grad_err = max(grad_err, (p.grad - want[name]).abs().max().item())
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                bf16 = cp(xl, yl, reduction="sum")[1].detach().float().reshape(1)
+            dist.all_reduce(bf16)
+            out[way, layout] = ((total - loss.detach()).abs().item(), grad_err, abs(bf16.item() - want_bf16),
+                                torch.equal(cp.generate(prompt, **greedy), sampled))
+    return out
+
+
 def _everything():
     r, n = dist.get_rank(), dist.get_world_size()
     H, T = _sizes(n)
     g = torch.Generator().manual_seed(0)  # the same whole sequence on every rank
     q, k, v, dout = (torch.randn(B, H, T, D, generator=g) for _ in range(4))
     result = {"world": _compare(None, q, k, v, dout, {}), "a2a": _all_to_all_cases(),
-              "refused": _refusals()}
+              "refused": _refusals(), "gpt": _gpt_cases()}
     if n == 4:  # two cp groups of 2 inside the world ({0, 2} and {1, 3}): messages by global rank
         groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
         result["subgroup"] = _compare(groups[r % 2], q[..., :12, :], k[..., :12, :], v[..., :12, :],
@@ -181,6 +222,24 @@ def test_bad_shapes_are_refused_saying_what_to_use(pool, n):
     assert "must have one shape (B, H, T_local, D)" in said["shapes"]
     assert f"{2 * n + 1} heads do not split over {n} ranks" in said["ulysses_heads"]
     assert "all_to_all: input_split_sizes must be" in said["a2a_splits"]
+
+
+@pytest.mark.parametrize("n", NS)
+def test_the_cp_gpt_equals_one_process_loss_gradients_bf16_and_samples(pool, n):
+    for rank, res in enumerate(_results(pool, n)):
+        for key, (loss_err, grad_err, bf16_err, same_sample) in res["gpt"].items():
+            assert loss_err <= 1e-4 and grad_err <= TOL, (rank, key, loss_err, grad_err)  # fp32 (a sum of 8N tokens)
+            # bf16: each way's blockwise softmax rounds in its own order; SDPA's to its own
+            assert bf16_err <= 0.02 * 8 * n, (rank, key, bf16_err)
+            assert same_sample, (rank, key)
+
+
+def test_the_cp_gpt_refuses_what_it_cannot_run():
+    one = GPT(GPTConfig(n_layer=1, n_head=3, n_embd=12, block_size=8, vocab_size=16, dropout=0.1))
+    with pytest.raises(ValueError, match="no attention dropout"):
+        ContextParallelGPT(one, None)
+    with pytest.raises(ValueError, match="must be one of ring, allgather, ulysses, got 'flash'"):
+        ContextParallelGPT(one, None, "flash")
 
 
 def test_positions_and_chunks_follow_the_layout():

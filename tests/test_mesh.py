@@ -56,3 +56,24 @@ def test_each_group_reaches_exactly_its_line(pool):
             assert where == (dp_rank, tp_rank, pp_rank)
             for axis in ("dp", "tp", "pp"):
                 assert sums[axis] == sum(next(g for g in lines[axis] if r in g))
+
+
+def _cp_lines(cp):
+    m = mesh.make_mesh(cp=cp)
+    out = {}
+    for axis in ("dp", "cp", "dp_cp"):
+        t = torch.tensor([2.0 ** dist.get_rank()])  # a sum of distinct powers names its ranks
+        dist.all_reduce(t, group=getattr(m, f"{axis}_group"))
+        out[axis] = sorted(i for i in range(dist.get_world_size()) if int(t.item()) >> i & 1)
+    return (m.dp, m.cp, m.dp_rank, m.cp_rank), out, m.describe()
+
+
+def test_a_cp_axis_splits_dp_into_dp_x_cp_cp_fastest(pool):
+    """Chapter 12: 4 ranks at cp 2 are dp 2 x cp 2; a replica's cp ranks are neighbours, the
+    dp group holds one rank per slice position, and the gradient's group is all four."""
+    for r, (where, lines, said) in enumerate(pool(4).run(_cp_lines, 2)):
+        assert where == (2, 2, r // 2, r % 2)
+        assert lines == {"cp": [r - r % 2, r - r % 2 + 1], "dp": [r % 2, r % 2 + 2], "dp_cp": [0, 1, 2, 3]}
+        assert said == "dp 2 x cp 2 x tp 1 x pp 1"
+    with pytest.raises(ValueError, match="not a multiple of tp x pp x cp = 1 x 1 x 3"):
+        mesh.check_sizes(4, 1, 1, 3)

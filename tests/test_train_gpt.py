@@ -43,6 +43,14 @@ PP = {"pp-2-1f1b": ["--pp", "2", "--pp-schedule", "1f1b"],
                        "--activation-checkpointing", "blocks"],
       # the planner's auto flags on the mesh given (minidist.run.flag_checks.plan_auto, plan_mesh.plan_on_mesh)
       "pp-2-auto": ["--pp", "2", "--zero-stage", "auto", "--activation-checkpointing", "auto"]}
+# context parallelism (chapter 12), with Muon against the same one-process oracle: cp 2 with the
+# ring over zigzag slices, ZeRO-2 over the dp x cp ranks, two micro-steps and every block
+# recomputed in backward (the ring's messages run again, in the same order on every rank);
+# dp 2 x cp 2 with the all-gather over contiguous slices and ZeRO-1; cp 2 with Ulysses
+CP = {"cp-2-ring-zero-2-recompute": ["--cp", "2", "--zero-stage", "2", "--activation-checkpointing", "blocks"],
+      "cp-2-dp-2-allgather-zero-1": ["--cp", "2", "--cp-attention", "allgather", "--cp-layout", "contiguous",
+                                     "--zero-stage", "1"],
+      "cp-2-ulysses": ["--cp", "2", "--cp-attention", "ulysses"]}
 
 
 @pytest.mark.parametrize("dp, world, accum", [("naive", 2, 1), ("flat", 2, 2), ("bucketed", 2, 1),
@@ -50,7 +58,9 @@ PP = {"pp-2-1f1b": ["--pp", "2", "--pp-schedule", "1f1b"],
                                               ("zero-3", 2, 2), ("tp-2", 2, 1), ("tp-2-sp-zero-1", 4, 2),
                                               ("tp-2-zero-2", 4, 1), ("tp-2-muon", 2, 1),
                                               ("pp-2-1f1b", 2, 4), ("pp-2-gpipe-dp-2", 4, 2),
-                                              ("tp-2-pp-2-sp", 4, 2), ("pp-2-auto", 2, "auto")])
+                                              ("tp-2-pp-2-sp", 4, 2), ("pp-2-auto", 2, "auto"),
+                                              ("cp-2-ring-zero-2-recompute", 2, 2),
+                                              ("cp-2-dp-2-allgather-zero-1", 4, 1), ("cp-2-ulysses", 2, 1)])
 def test_data_parallel_equals_one_process(tmp_path, dp, world, accum, pool):
     """`world` ranks x `accum` micro-steps, each micro-batch batch/(world*accum) sequences:
     averaged gradients must give the trajectory of one process on the whole batch
@@ -66,7 +76,7 @@ def test_data_parallel_equals_one_process(tmp_path, dp, world, accum, pool):
     if key not in _REFERENCE:  # the oracle depends only on the optimizer (and clip): computed once each
         _REFERENCE[key] = pool(1).run(_train, argv + ["--dp", "flat", "--out-dir", str(tmp_path / "one")])[0]
     one = _REFERENCE[key]
-    how = TP[dp] if dp in TP else PP[dp] if dp in PP else ["--zero-stage", dp[-1]] if dp.startswith("zero") else ["--dp", dp]
+    how = TP[dp] if dp in TP else PP[dp] if dp in PP else CP[dp] if dp in CP else ["--zero-stage", dp[-1]] if dp.startswith("zero") else ["--dp", dp]
     many = pool(world).run(_train, argv + how + ["--grad-accum-steps", str(accum),
                                                  "--out-dir", str(tmp_path / "many")])
     losses = lambda s: [r["loss"] for r in s["rows"] if "loss" in r]
@@ -75,6 +85,23 @@ def test_data_parallel_equals_one_process(tmp_path, dp, world, accum, pool):
         assert losses(s) == pytest.approx(losses(one), rel=1e-5, abs=1e-6)
         assert s["val_loss"] == pytest.approx(one["val_loss"], rel=1e-5)
     assert losses(one)[-1] < losses(one)[0]  # and it learns
+
+
+def test_context_parallel_checkpoints_resume_at_another_cp(tmp_path, pool):
+    """A checkpoint written at --cp 1 resumes at --cp 2, and one written at --cp 2 at --cp 1,
+    and the run goes on as if uninterrupted: the cp GPT keeps the GPT's parameter names and
+    holds them whole, and ZeRO shards over the dp x cp ranks as over dp (fp32)."""
+    argv = TINY + ["--steps", "6", "--batch-size", "8", "--eval-interval", "100"]
+    plain = pool(2).run(_train, argv + ["--checkpoint-every", "3", "--out-dir", str(tmp_path / "plain")])[0]
+    at_cp2 = pool(2).run(_train, argv + ["--cp", "2", "--checkpoint-every", "1", "--out-dir", str(tmp_path / "cp2"),
+                                         "--resume", str(tmp_path / "plain/checkpoints/step_00000003")])[0]
+    at_cp1 = pool(2).run(_train, argv + ["--out-dir", str(tmp_path / "cp1"),
+                                         "--resume", str(tmp_path / "cp2/checkpoints/step_00000005")])[0]
+    losses = lambda s, a: [r["loss"] for r in s["rows"] if "loss" in r and r["step"] > a]
+    assert losses(at_cp2, 3) == pytest.approx(losses(plain, 3), rel=1e-5) and len(losses(plain, 3)) == 3
+    assert losses(at_cp1, 5) == pytest.approx(losses(plain, 5), rel=1e-5) and len(losses(plain, 5)) == 1
+    for s in (at_cp2, at_cp1):
+        assert s["val_loss"] == pytest.approx(plain["val_loss"], abs=1e-3)
 
 
 def test_torchrun_end_to_end(tmp_path):
@@ -115,6 +142,17 @@ BAD_FLAGS = [
      "the planner: nothing fits 1e-06 GB per rank on dp 1 x tp 1 x pp 2"),
     (["--pp", "2", "--sequence-parallel"], "add --tp 2 or more"),
     (["--pp", "2", "--pp-schedule", "zigzag"], "invalid choice: 'zigzag'"),
+    # chapter 12: what context parallelism refuses, before any work
+    (["--cp", "3"], "--cp 3 does not divide the world of 2 ranks"),
+    (["--cp", "2", "--tp", "2"], "--cp 2 with --tp is not built yet"),
+    (["--cp", "2", "--pp", "2"], "--cp 2 with --pp is not built yet"),
+    (["--cp", "2", "--seq-len", "30"], "--seq-len 30 does not cut into 4 equal chunks: use a multiple of 4 "
+                                       "(or --cp-layout contiguous"),
+    (["--cp", "2", "--cp-attention", "ulysses", "--n-head", "3", "--n-embd", "48"], "--n-head 3 is not divisible by 2"),
+    (["--cp", "2", "--dropout", "0.1"], "use --dropout 0"),
+    (["--cp", "2", "--zero-stage", "3"], "--cp 2 with --zero-stage 3 is not built yet"),
+    (["--cp", "2", "--zero-stage", "auto"], "the planner does not plan a cp axis"),
+    (["--cp", "2", "--cp-layout", "striped"], "invalid choice: 'striped'"),
     (["--dp", "bogus"], "invalid choice: 'bogus'"),
     (["--tokenizer", "sentencepiece"], "unknown tokenizer"),
     (["--warmup-steps", "50", "--steps", "10"], "--warmup-steps must be in"),

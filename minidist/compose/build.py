@@ -1,6 +1,6 @@
 """A training run built from its techniques: the one place that chooses among them, so
 train_gpt's loop asks no technique questions. Chapter 04 (chapters/04_grad_accum.md) teaches
-the step; each technique's chapter its part: shard_model (10, 11), make_optimizers (06, 07,
+the step; each technique's chapter its part: shard_model (10, 11, 12), make_optimizers (06, 07,
 10), gradient_sync (03, 06, 07, 10, 11), and make_step, one interface (forward_backward,
 loss_sum, generate) for a whole model and a pipeline stage (11). Exercised by
 `torchrun --standalone --nproc_per_node=2 minidist/train_gpt.py` and `pytest tests/test_train_gpt.py`.
@@ -9,8 +9,10 @@ loss_sum, generate) for a whole model and a pipeline stage (11). Exercised by
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from minidist.compose.mesh import MeshSync
+from minidist.context_parallel import ContextParallelGPT, split_sequence
 from minidist.compose.pipeline_sync import PipelineSync, pipeline_eval, pipeline_generate
 from minidist.compose.tp_muon import TensorParallelMuon, tensor_parallel_group
 from minidist.compose.zero_muon import muon_for_zero, muon_under_zero
@@ -23,9 +25,13 @@ from minidist.train import forward_backward
 from minidist.zero import ShardedOptimizer, zero_optimizer
 
 
-def shard_model(model, mesh=None, sequence_parallel: bool = False):
+def shard_model(model, mesh=None, sequence_parallel: bool = False, cp_attention: str = "ring",
+                cp_layout: str = "zigzag"):
     """This rank's part of the full `model` on a dp x tp x pp `mesh` (None: all of it):
-    its slices of every layer (chapter 10), then its stage's contiguous blocks (chapter 11)."""
+    its slices of every layer (chapter 10), then its stage's contiguous blocks (chapter 11);
+    on a cp axis, all of it run on its slice of the sequence (chapter 12)."""
+    if mesh is not None and mesh.cp > 1:  # (train_gpt refuses cp with tp or pp)
+        return ContextParallelGPT(model, mesh.cp_group, cp_attention, cp_layout)
     if mesh is not None and mesh.tp > 1:
         model = parallelize(model, mesh.tp_group, sequence_parallel)
     if mesh is not None and mesh.pp > 1:
@@ -74,8 +80,9 @@ def gradient_sync(model, opts, *, zero_stage: int = 0, dp: str = "bucketed", buc
     """What averages the gradients across ranks, behind minidist/sync.py's interface: under
     ZeRO the optimizer itself (with Muon beside it, MuonUnderZero), otherwise DDP as `dp`
     (naive, flat or bucketed) asks; on a mesh over the dp group, MeshSync adding the norm
-    over the tp shards (chapter 10); a pipeline stage's averages after the step (chapter 11)."""
-    group = None if mesh is None else mesh.dp_group
+    over the tp shards (chapter 10); a pipeline stage's averages after the step (chapter 11);
+    with a cp axis, over the dp x cp ranks, whose tokens differ (chapter 12)."""
+    group = None if mesh is None else mesh.dp_cp_group
     if mesh is not None and mesh.pp > 1:
         return PipelineSync(model, group, flat=dp != "naive", zero=opts[0] if zero_stage else None)
     if zero_stage:
@@ -146,10 +153,39 @@ class PipelineStep(PlainStep):
                 f"{self.model.describe()} | gradients averaged over dp after each step ({how})")
 
 
+class ContextStep(PlainStep):
+    """The same three calls on a cp axis (chapter 12): every micro-batch cut into this rank's
+    slice of each sequence, then chapter 04's forward_backward over the dp x cp ranks, whose
+    tokens are all different: each rank's loss is its own tokens' sum, normalised by the
+    global token count, and one all-reduce over dp x cp averages the gradients."""
+
+    def __init__(self, model, sync, scaler, precision, mesh):
+        super().__init__(model, sync, scaler, precision, mesh.dp * mesh.cp, mesh.dp_cp_group)
+        self.mesh = mesh
+
+    def _slices(self, x, y):
+        return tuple(split_sequence(t, self.mesh.cp_group, 1, self.model.layout) for t in (x, y))
+
+    def forward_backward(self, micro_batches) -> float:
+        return super().forward_backward([self._slices(x, y) for x, y in micro_batches])
+
+    def loss_sum(self, x, y) -> torch.Tensor:
+        """The whole sequences' summed loss, on every cp rank (evaluation adds over dp)."""
+        loss = self.model(*self._slices(x, y), reduction="sum")[1].detach().float().reshape(1)
+        dist.all_reduce(loss, group=self.mesh.cp_group)
+        return loss[0]
+
+    def describe(self, micro_steps: int) -> str:
+        return (f"context parallel | {self.mesh.describe()} | {self.model.describe()} | gradients "
+                "averaged over the dp x cp ranks in one all-reduce")
+
+
 def make_step(model, sync, scaler: LossScaler | None, precision: str, world_size: int, group=None,
               schedule: str = "1f1b", mesh=None) -> PlainStep:
     """The step interface for this rank's model: a PipelineStep for a pipeline stage (with
-    its `schedule`, on `mesh`), a PlainStep otherwise."""
+    its `schedule`, on `mesh`), a ContextStep on a cp axis, a PlainStep otherwise."""
+    if mesh is not None and mesh.cp > 1:
+        return ContextStep(model, sync, scaler, precision, mesh)
     if isinstance(model, Stage):
         return PipelineStep(model, sync, scaler, precision, world_size, group, schedule, mesh)
     return PlainStep(model, sync, scaler, precision, world_size, group)

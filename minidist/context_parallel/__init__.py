@@ -11,6 +11,8 @@ values reach the queries. Read in this order:
                   counted on the run and in closed form
     allgather.py  the whole K, V gathered on every rank, then local attention (Llama 3)
     ulysses.py    all-to-all from sequence shards to head shards and back (DeepSpeed-Ulysses)
+    gpt.py        the GPT over a cp group: every layer on this rank's tokens, attention by one
+                  of the three ways, true positions, the GPT's parameter names
 
 All three take q, k, v of shape (B, H, T_local, D) as split_sequence cut them and return
 this rank's slice of the output, equal to F.scaled_dot_product_attention on the whole
@@ -23,5 +25,4 @@ from minidist.context_parallel.work import (count_work, ring_work, imbalance, sl
                                             attention_memory)
 from minidist.context_parallel.allgather import allgather_attention
 from minidist.context_parallel.ulysses import ulysses_attention
-
-ATTENTIONS = {"ring": ring_attention, "allgather": allgather_attention, "ulysses": ulysses_attention}
+from minidist.context_parallel.gpt import ATTENTIONS, ContextParallelGPT, check_context_parallel

@@ -152,6 +152,36 @@ def check_tensor_parallel(p, args, world_size: int) -> None:
         p.error(f"{what} with --zero-stage 3 is not built yet: use --zero-stage 0, 1 or 2 (or auto)")
 
 
+def check_context_parallel(p, args, world_size: int) -> None:
+    """--cp, --cp-attention and --cp-layout against the world, the model and what is built."""
+    cp, what = args.cp, f"--cp {args.cp}"
+    if cp == 1:
+        return
+    if args.tp > 1 or args.pp > 1:  # (the mesh has the axis; the cp GPT is cut from a whole model only)
+        p.error(f"{what} with {'--tp' if args.tp > 1 else '--pp'} is not built yet: use --cp with data "
+                "parallelism alone (world = dp x cp), or --tp / --pp without --cp")
+    if world_size % cp:
+        p.error(f"{what} does not divide the world of {world_size} ranks: start a multiple of {cp} "
+                "ranks (world = dp x cp), or change --cp")
+    chunks = 2 * cp if args.cp_layout == "zigzag" else cp
+    if args.seq_len % chunks:
+        p.error(f"{what} --cp-layout {args.cp_layout}: --seq-len {args.seq_len} does not cut into {chunks} "
+                f"equal chunks: use a multiple of {chunks}"
+                + (" (or --cp-layout contiguous, a multiple of --cp)" if args.cp_layout == "zigzag" else ""))
+    if args.cp_attention == "ulysses" and args.n_head % cp:
+        p.error(f"{what} --cp-attention ulysses splits the heads, and --n-head {args.n_head} is not divisible "
+                f"by {cp}: use a --cp that divides it, or --cp-attention ring / allgather")
+    if args.dropout > 0:
+        p.error(f"{what}: context-parallel attention has no attention dropout: use --dropout 0")
+    if args.zero_stage == 3:
+        p.error(f"{what} with --zero-stage 3 is not built yet: use --zero-stage 0, 1 or 2")
+    auto = [f"--{k.replace('_', '-')}" for k in ("zero_stage", "grad_accum_steps", "activation_checkpointing")
+            if getattr(args, k) == "auto"]
+    if auto:  # the training planner does not count a cp axis (python -m minidist.run.plan mesh does)
+        p.error(f"{what} with {' '.join(a + ' auto' for a in auto)}: the planner does not plan a cp axis "
+                "for a run: give each a value (python -m minidist.run.plan mesh --help proposes one)")
+
+
 def rank_memory(device: str) -> int | None:
     """The most bytes one rank can hold: its GPU's memory, or on a CPU the machine's RAM
     (None where the system does not say)."""

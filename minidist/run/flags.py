@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from minidist import data
-from minidist.checkpoint import faults
 from minidist.run import flag_types as ft, outputs  # ft: each flag's type and range
-from minidist.run.flag_checks import (FlagParser, blame_config, check_model, check_pipeline, check_tensor_parallel,
-                                      config_argv, plan_auto)
-from minidist.dist import default_timeout_s, env_device, env_world_size
+from minidist.run.environment import ENVIRONMENT, check_environment  # noqa: F401 (ENVIRONMENT: its table)
+from minidist.run.flag_checks import (FlagParser, blame_config, check_context_parallel, check_model, check_pipeline,
+                                      check_tensor_parallel, config_argv, plan_auto)
+from minidist.dist import env_world_size
 from minidist.run.locks import in_use_message, lock_holder
 from minidist.model import PRESETS
 from minidist.scaler import LossScaler
@@ -88,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--pp", type=ft.layers, default=1,
       help="pipeline parallelism (chapter 11): the blocks cut into this many stages, one per rank; "
            "the world is dp x tp x pp, --grad-accum-steps micro-batches flow through the stages")
+    a("--cp", type=ft.heads, default=1,
+      help="context parallelism (chapter 12): every sequence split over this many ranks; the world "
+           "is dp x cp, one gradient all-reduce over all of them")
+    a("--cp-attention", default="ring", choices=["ring", "allgather", "ulysses"],
+      help="with --cp: K, V blocks around a ring, all-gathered, or all-to-all over heads (Ulysses)")
+    a("--cp-layout", default="zigzag", choices=["zigzag", "contiguous"],
+      help="with --cp: rank r holds chunks r and 2cp-1-r of 2cp (even causal work), or chunk r of cp")
     a("--pp-schedule", default="1f1b", choices=["gpipe", "1f1b"],
       help="with --pp: all forwards then all backwards (gpipe), or one forward one backward (1f1b)")
     a("--sequence-parallel", action=argparse.BooleanOptionalAction, default=False,
@@ -132,7 +138,8 @@ MAY_CHANGE_ON_RESUME = {"device", "dp", "bucket_cap_mb", "zero_stage", "grad_acc
                         "final_eval_windows", "sample_tokens", "out_dir", "checkpoint_every",
                         "keep_checkpoints", "resume", "debug_collectives",
                         "activation_checkpointing", "memory_budget_gb", "plan",
-                        "tp", "sequence_parallel", "pp", "pp_schedule", "config"}  # checkpoints hold full tensors' ranges
+                        "tp", "sequence_parallel", "pp", "pp_schedule", "config", "cp", "cp_attention",
+                        "cp_layout"}  # checkpoints hold full tensors' ranges
 
 
 def resolve_args(args, world_size: int) -> argparse.Namespace:
@@ -168,9 +175,10 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
     args.plan = None  # chapter 09: the planner fills in what is "auto", and says why
     check_pipeline(p, args, world_size)  # chapters 11 and 10: the mesh, before the planner keeps to it
     check_tensor_parallel(p, args, world_size)
+    check_context_parallel(p, args, world_size)
     if "auto" in (args.zero_stage, args.grad_accum_steps, args.activation_checkpointing):
         vars(args).update(plan_auto(p, args, world_size))
-    dp = world_size // (args.tp * args.pp)  # the tp ranks and the stages of a replica share its batch
+    dp = world_size // (args.tp * args.pp * args.cp)  # a replica's tp, cp ranks and stages share its batch
     parts = dp * args.grad_accum_steps
     if args.batch_size % parts:
         p.error(f"--batch-size {args.batch_size} does not divide across {dp} data-parallel ranks x "
@@ -216,35 +224,6 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
     if problem:  # every path the run writes, tried now rather than at the first save or the end
         p.error(problem)
     return args
-
-
-# ---- the environment: what minidist reads from it, checked like a flag ------------------
-
-def _env_folder(name: str) -> None:
-    value = os.environ.get(name, "")
-    if value and os.path.exists(value) and not os.path.isdir(value):
-        raise ValueError(f"{name}={value!r} is a file, not a folder: set it to a folder, or unset it")
-
-
-# name -> a check that returns the value or raises ValueError naming the variable
-ENVIRONMENT = {
-    "MINIDIST_TIMEOUT": default_timeout_s,
-    "MINIDIST_FAULT": lambda: faults.parse_fault(os.environ.get("MINIDIST_FAULT")),
-    "MINIDIST_DATA": lambda: _env_folder("MINIDIST_DATA"),  # the token cache
-    "MINIDIST_DEVICE": env_device,
-    "WORLD_SIZE": env_world_size,
-}
-
-
-def check_environment(p, args, world_size: int) -> None:
-    """Every environment variable minidist reads (ENVIRONMENT), checked before any work (MINIDIST_TIMEOUT=abc
-    would fail inside init), and MINIDIST_FAULT against this run: one for a rank or step it lacks never fires."""
-    try:
-        for check in ENVIRONMENT.values():
-            check()
-        faults.check_fault(os.environ.get("MINIDIST_FAULT"), world_size, args.steps, args.checkpoint_every)
-    except ValueError as e:
-        p.error(str(e))
 
 
 def parse_args(argv) -> argparse.Namespace:

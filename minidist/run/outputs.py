@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from minidist import checkpoint
 from minidist.checkpoint.io import atomic_write
 from minidist.checkpoint.schema import finite_or_none, to_json  # noqa: F401 (strict JSON, as meta.json)
 from minidist.files import kind_of
@@ -267,3 +268,20 @@ class Ending:
                "error says why)" if collective else type(e).__name__)
         self.end("failed", f"stopped in step {step}: {who}: {first}; {self.where_to_resume()}", step,
                  {**facts, "error": f"{type(e).__name__}: {first}"})
+
+    def save(self, step, loss, model, opts, scaler, cfg, args, facts) -> None:
+        """A checkpoint, unless the loss or anything it would hold is not finite: such a
+        checkpoint would become the newest, and pruning would delete the good ones. A save
+        that fails (a full disk) stops the run with its one line: what failed, where to resume."""
+        if math.isfinite(loss):
+            try:  # (checkpoint.save itself refuses non-finite weights, optimizer state, loss scale)
+                self.good = checkpoint.save(Path(args.out_dir) / "checkpoints", step, model, opts, scaler,
+                                            keep=args.keep_checkpoints, extra={"settings": vars(args),
+                                                                               "rows": self.rows, "config": cfg.to_dict()})
+                return
+            except checkpoint.NonFiniteCheckpointError:
+                pass
+            except checkpoint.SaveError as e:
+                self.stop("failed", f"stopped at step {step}: {e}", step, {**facts(), "error": str(e)})
+        self.say(f"step {step}: no checkpoint saved: the {'model or optimizer state is' if math.isfinite(loss) else 'loss is'} "
+                 f"not finite; the newest good one stays {self.good or 'none'}")
