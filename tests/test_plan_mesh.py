@@ -9,7 +9,7 @@ import pytest
 from minidist.compose import plan_mesh as PM
 from minidist.run import plan as R  # the planners' command line
 from minidist.cost_model import Hardware, block_activation_bytes, rank_params, step_time
-from minidist.cost_model import GB
+from minidist.cost_model import ELEM, GB
 from minidist.memory import step_memory
 from minidist.model import PRESETS, GPTConfig, config_num_params
 from minidist.pipeline import split_layers
@@ -34,13 +34,26 @@ def _brute_force(cfg, batch, T, world, budget_gb, precision="bf16", mesh=None):
             if mesh is not None and (tp, pp, sp) != mesh:
                 continue
             step_s, sent = PM.price(cfg, batch, T, dp, tp, pp, zero, m, ck, sp, precision)
-            key = (step_s, (pp - 1) / (m + pp - 1), sum(sent), ck, sp, m, zero, pp, tp)
+            key = (step_s, (pp - 1) / (m + pp - 1), sum(sent), ck, sp, m, zero, pp, tp, 1)
             if best is not None and key >= best:
                 continue
             peak = max(step_memory(cfg, batch // (dp * m), T, dp, zero, ck, precision, tp=tp, sequence_parallel=sp,
                                    blocks=L // pp + (s < L % pp), first=s == 0, last=s == pp - 1,
                                    in_flight=min(pp - s, m))["peak"] for s in range(pp))
             if peak <= budget_gb * GB:
+                best = key
+    for cp in range(2, world + 1) if mesh is None else ():  # chapter 12: dp x cp, zigzag's 2 cp chunks
+        if world % cp or T % (2 * cp):
+            continue
+        dp = world // cp
+        for zero, ck, m in itertools.product(range(3), (False, True), range(1, batch + 1)):
+            if (batch // dp) % m:
+                continue
+            step_s, dp_bytes, ring = PM.cp_price(cfg, batch, T, dp, cp, zero, m, ck, precision)
+            key = (step_s, 0.0, dp_bytes + ring, ck, False, m, zero, 1, 1, cp)
+            B = batch // (dp * m)  # every weight; T/cp tokens' activations; the ring's two K, V blocks
+            peak = step_memory(cfg, B, T // cp, dp * cp, zero, ck, precision)["peak"] + 4 * B * (T // cp) * cfg.n_embd * ELEM[precision]
+            if (best is None or key < best) and peak <= budget_gb * GB:
                 best = key
     return best
 
@@ -51,13 +64,14 @@ GRID = [("gpt2", 1024, 4, (1, 3), range(1, 17)),
         ("gpt3-1.3b", 1024, 2, (8, 24), range(1, 17)),
         ("gpt2-medium", 1024, 2, (2, 6), (3, 6, 12, 16)),
         ("small", 256, 8, (0.05, 0.2), (2, 4, 8, 12)),
-        ("gpt3-6.7b", 1024, 1, (20, 80), (4, 8, 16))]
+        ("gpt3-6.7b", 1024, 1, (20, 80), (4, 8, 16)),
+        ("gpt2", 65536, 1, (8, 80), (4, 8))]  # chapter 12: a long sequence, where cp pays
 CASES = [(name, T, per * w, w, b) for name, T, per, budgets, worlds in GRID for w in worlds for b in budgets]
 
 
 @pytest.mark.parametrize("name, T, batch, world, budget", CASES)
 def test_plan_equals_brute_force(name, T, batch, world, budget):
-    cfg = GPTConfig(**PRESETS[name])
+    cfg = GPTConfig(**{**PRESETS[name], "block_size": T})
     want = _brute_force(cfg, batch, T, world, budget)
     if want is None:
         with pytest.raises(PlanError, match="nothing fits"):
@@ -90,7 +104,7 @@ def test_plan_on_a_given_mesh_equals_brute_force_on_it(name, T, per, world, budg
 # that the comparison above means something
 SHOWCASE = [("gpt3-1.3b", 1024, 2, 1, 8), ("gpt2", 1024, 44, 11, 3), ("gpt3-1.3b", 1024, 2, 1, 24),
             ("gpt3-1.3b", 1024, 8, 4, 8), ("gpt2", 1024, 12, 3, 1), ("gpt3-1.3b", 1024, 20, 10, 8),
-            ("gpt2-medium", 1024, 12, 6, 2), ("gpt2-medium", 1024, 6, 3, 6)]
+            ("gpt2-medium", 1024, 12, 6, 2), ("gpt2-medium", 1024, 6, 3, 6), ("gpt2", 65536, 8, 8, 8)]
 
 
 def test_the_grid_chooses_every_axis():
@@ -98,14 +112,27 @@ def test_the_grid_chooses_every_axis():
     for name, T, batch, world, budget in SHOWCASE:
         assert (name, T, batch, world, budget) in CASES
         try:
-            c = PM.plan_mesh(GPTConfig(**PRESETS[name]), batch, T, world, budget)[0]
+            c = PM.plan_mesh(GPTConfig(**{**PRESETS[name], "block_size": T}), batch, T, world, budget)[0]
         except PlanError:
             seen.add("none")
             continue
         seen |= {f"zero{c.zero}"} | {k for k, on in (("tp", c.tp > 1 and c.pp == 1), ("pp", c.pp > 1 and c.tp == 1),
                                                       ("tp+pp", c.tp > 1 and c.pp > 1), ("rc", c.checkpointed),
-                                                      ("sp", c.sequence_parallel)) if on}
-    assert seen == {"none", "zero0", "zero1", "zero2", "zero3", "tp", "pp", "tp+pp", "rc", "sp"}, seen
+                                                      ("sp", c.sequence_parallel), ("cp", c.cp > 1)) if on}
+    assert seen == {"none", "zero0", "zero1", "zero2", "zero3", "tp", "pp", "tp+pp", "rc", "sp", "cp"}, seen
+
+
+def test_a_long_sequence_that_fits_nowhere_else_gets_cp_and_the_reason():
+    """gpt2 with 65,536-token sequences on 8 ranks of 8 GB: no dp x tp x pp plan fits (tp's
+    sequence parallelism leaves attention's input whole), dp 1 x cp 8 does, and says why."""
+    cfg = GPTConfig(**{**PRESETS["gpt2"], "block_size": 65536})
+    with pytest.raises(PlanError, match="nothing fits 8 GB per rank on 8 ranks"):
+        PM.plan_mesh(cfg, 8, 65536, 8, 8, context_parallel=False)
+    c, line = PM.plan_mesh(cfg, 8, 65536, 8, 8)
+    assert (c.dp, c.cp) == (1, 8) and c.peak <= 8 * GB
+    assert c.peak == PM.cp_memory(cfg, 8, 65536, 1, 8, c.zero, c.micro, c.checkpointed)
+    assert line.startswith("dp 1 x cp 8, ZeRO-") and line.endswith(
+        "why cp 8: each rank holds 1/8 of every sequence's activations, and without it nothing fits 8 GB per rank")
 
 
 PRESET_CFGS = [GPTConfig(**PRESETS[n]) for n in ("tiny", "gpt2", "gpt2-xl", "gpt3-1.3b")]

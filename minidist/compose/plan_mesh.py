@@ -1,7 +1,8 @@
 """The planner on three axes: for a model, a world of ranks and a memory budget per rank, the
 mesh dp x tp x pp, the ZeRO stage, the micro-batches, sequence parallelism and recomputation
 that fit, at the least modelled step time. Chapter 11 (chapters/11_pipeline.md, section 8;
-its appendix, section B, derives the memory and the price). Exercised by
+its appendix, section B, derives the memory and the price). Chapter 12 adds a fourth, as
+train_gpt runs it: dp x cp, every sequence cut over cp ranks (cp_memory, cp_price). Exercised by
 
     python -m minidist.run.plan mesh --preset gpt2 --world-size 8 --budget-gb 80
     pytest tests/test_plan_mesh.py
@@ -44,13 +45,15 @@ class Plan:
     step_s: float             # modelled seconds per step
     bubble: float
     sent: tuple               # bytes the busiest rank sends per step: (dp, tp, pp)
+    cp: int = 1               # chapter 12: the sequence cut over cp ranks (tp = pp = 1)
+    cp_sent: float = 0.0      # bytes the ring sends per rank per step
 
     def price(self) -> tuple:
-        return (self.step_s, self.bubble, sum(self.sent), self.checkpointed, self.sequence_parallel,
-                self.micro, self.zero, self.pp, self.tp)
+        return (self.step_s, self.bubble, sum(self.sent) + self.cp_sent, self.checkpointed, self.sequence_parallel,
+                self.micro, self.zero, self.pp, self.tp, self.cp)
 
     def mesh(self) -> str:
-        return f"dp {self.dp} x tp {self.tp} x pp {self.pp}"
+        return f"dp {self.dp} x cp {self.cp}" if self.cp > 1 else f"dp {self.dp} x tp {self.tp} x pp {self.pp}"
 
     def describe(self) -> str:
         mb = f"{self.micro} micro-batch{'es' if self.micro > 1 else ''} of {self.micro_batch}"
@@ -127,6 +130,47 @@ def _dp_sync(cfg, psi, dp, tp, pp, zero, m, compute, hw, bucket_cap_mb):
     return sent, hidden + (k * collective_time("all_gather", size / k, dp, hw, span) if zero else 0)
 
 
+def cp_sizes(world: int, seq_len: int) -> list[int]:
+    """The cp sizes train_gpt runs: dividing the world, the sequence in 2 cp equal chunks (zigzag)."""
+    return [cp for cp in divisors(world) if cp > 1 and seq_len % (2 * cp) == 0]
+
+
+def cp_memory(cfg, batch, seq_len, dp, cp, zero, m, ck, precision="bf16", bucket_cap_mb=25.0) -> float:
+    """One cp rank's peak: every weight, its T/cp tokens of each sequence's activations,
+    ZeRO over the dp x cp ranks, and the ring's K, V blocks: the one held and the one arriving."""
+    B, t = batch // (dp * m), seq_len // cp
+    ring = 2 * 2 * B * t * cfg.n_embd * ELEM[precision]
+    return step_memory(cfg, B, t, dp * cp, zero, ck, precision, bucket_cap_mb)["peak"] + ring
+
+
+def cp_price(cfg, batch, seq_len, dp, cp, zero, m, ck, precision="bf16", hw=None, bucket_cap_mb=25.0):
+    """(modelled step seconds, dp bytes, ring bytes) of a dp x cp rank: a 1/cp share of the
+    work (zigzag's), the ring's messages, per layer and micro-batch cp - 1 K, V blocks forward and
+    K, V with dK, dV backward, counted whole (hidden behind attention only for long blocks:
+    a saving left out), then the gradient sync over all dp x cp ranks."""
+    hw = hw or Hardware()
+    B, T = batch // (dp * m), seq_len
+    compute = flops_per_token(cfg, T) * B * T / cp / (hw.peak_flops * hw.mfu)  # one micro-batch
+    work = compute * (1 + (recompute_flops_fraction(cfg, T) if ck else 0)) * m
+    hops, block = m * cfg.n_layer * 3 * (cp - 1), 2 * B * (T // cp) * cfg.n_embd * ELEM[precision]
+    alpha, beta = link(cp, hw)
+    dp_bytes, dp_s = _dp_sync(cfg, rank_params(cfg, 1, cfg.n_layer, True, True), dp * cp, 1, 1, zero, m,
+                              compute, hw, bucket_cap_mb)
+    return work + hops * (alpha + block * beta) + dp_s, dp_bytes, hops * block
+
+
+def _cp_best(cfg, batch, seq_len, dp, cp, zero, ck, ms, budget_gb, precision, hw, bucket_cap_mb):
+    """A cp family's cheapest plan that fits among the micro-batch counts `ms`, or None."""
+    best = None
+    for m in ms:
+        peak = cp_memory(cfg, batch, seq_len, dp, cp, zero, m, ck, precision, bucket_cap_mb)
+        if peak <= budget_gb * GB:
+            step_s, dp_bytes, ring = cp_price(cfg, batch, seq_len, dp, cp, zero, m, ck, precision, hw, bucket_cap_mb)
+            c = Plan(dp, 1, 1, zero, m, ck, False, batch // (dp * m), peak, step_s, 0.0, (dp_bytes, 0.0, 0.0), cp, ring)
+            best = c if best is None or c.price() < best.price() else best
+    return best
+
+
 def evaluate(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision="bf16", hw=None, bucket_cap_mb=25.0) -> Plan:
     step_s, sent = price(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision, hw, bucket_cap_mb)
     peak = peak_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision, bucket_cap_mb)
@@ -170,23 +214,39 @@ def _least(cfg, batch, seq_len, dp, tp, pp, zero, ck, sp, ms, precision, bucket_
                for m in few + many[-1:])
 
 
-def best_per_family(cfg, batch, seq_len, world, budget_gb, precision="bf16", hw=None, bucket_cap_mb=25.0):
-    """For every family, its cheapest plan that fits (None where none does)."""
+def best_per_family(cfg, batch, seq_len, world, budget_gb, precision="bf16", hw=None, bucket_cap_mb=25.0,
+                    context_parallel=True):
+    """For every family, its cheapest plan that fits (None where none does); with
+    `context_parallel`, the dp x cp families too: (dp, 1, 1, zero, ck, False, cp)."""
     check_sizes(batch, seq_len, world, budget_gb)
     for f in families(cfg, seq_len, world):
         yield f, _family_best(cfg, batch, seq_len, *f, micro_options(batch, f[0]), budget_gb, precision, hw,
                               bucket_cap_mb)
+    for cp in cp_sizes(world, seq_len) if context_parallel else ():
+        for zero, ck in ((z, ck) for z in (0, 1, 2) for ck in (False, True)):  # (train_gpt: no ZeRO-3 with cp)
+            dp = world // cp
+            yield (dp, 1, 1, zero, ck, False, cp), _cp_best(cfg, batch, seq_len, dp, cp, zero, ck,
+                                                             micro_options(batch, dp), budget_gb, precision, hw,
+                                                             bucket_cap_mb)
 
 
 def plan_mesh(cfg: GPTConfig, batch: int, seq_len: int, world: int, budget_gb: float, precision: str = "bf16",
-              hw: Hardware | None = None, bucket_cap_mb: float = 25.0) -> tuple[Plan, str]:
-    """The cheapest plan whose most loaded rank fits `budget_gb`, and one line of reasoning."""
-    fits = [c for _, c in best_per_family(cfg, batch, seq_len, world, budget_gb, precision, hw, bucket_cap_mb) if c]
+              hw: Hardware | None = None, bucket_cap_mb: float = 25.0, context_parallel: bool = True) -> tuple[Plan, str]:
+    """The cheapest plan whose most loaded rank fits `budget_gb`, and one line of reasoning
+    (for a cp plan, why: what the best plan without cp needs or costs)."""
+    fits = [c for _, c in best_per_family(cfg, batch, seq_len, world, budget_gb, precision, hw, bucket_cap_mb,
+                                          context_parallel) if c]
     if not fits:
         raise PlanError(_nothing_fits(cfg, batch, seq_len, world, budget_gb, precision, bucket_cap_mb))
     best, *rest = sorted(fits, key=Plan.price)
     other = next((c for c in rest if c.mesh() != best.mesh()), None)
-    return best, explain(best, budget_gb) + (f"; next best mesh: {other.mesh()}, {1e3 * other.step_s:.1f} ms" if other else "")
+    line = explain(best, budget_gb) + (f"; next best mesh: {other.mesh()}, {1e3 * other.step_s:.1f} ms" if other else "")
+    if best.cp > 1:
+        plain = next((c for c in rest if c.cp == 1), None)
+        line += (f"; why cp {best.cp}: each rank holds 1/{best.cp} of every sequence's activations, " +
+                 (f"and the best plan without it, {plain.mesh()}, models {1e3 * plain.step_s:.1f} ms a step" if plain
+                  else f"and without it nothing fits {budget_gb:g} GB per rank"))
+    return best, line
 
 
 def plan_on_mesh(cfg, batch, seq_len, dp, tp, pp, budget_gb, precision="bf16", sp=False, zeros=None,
@@ -215,8 +275,9 @@ def plan_on_mesh(cfg, batch, seq_len, dp, tp, pp, budget_gb, precision="bf16", s
 
 def explain(c: Plan, budget_gb: float) -> str:
     dp, tp, pp = (x / GB for x in c.sent)
+    axes = f"dp {dp:.2f}, cp {c.cp_sent / GB:.2f}" if c.cp > 1 else f"dp {dp:.2f}, tp {tp:.2f}, pp {pp:.2f}"
     return (f"{c.describe()}: {c.peak / GB:.1f} of {budget_gb:g} GB per rank, bubble {c.bubble:.2f}, "
-            f"{sum(c.sent) / GB:.2f} GB sent per rank per step (dp {dp:.2f}, tp {tp:.2f}, pp {pp:.2f}), "
+            f"{(sum(c.sent) + c.cp_sent) / GB:.2f} GB sent per rank per step ({axes}), "
             f"{1e3 * c.step_s:.1f} ms a step modelled")
 
 

@@ -51,19 +51,20 @@ def memory_table(cfg, batch, seq_len, world, budget_gb, precision) -> list[str]:
 
 def mesh_table(cfg, batch, seq_len, world, budget_gb, precision="bf16", hw=None) -> list[str]:
     """The best plan of each mesh shape, fastest first; shapes where nothing fits last."""
-    best = {}
-    for (dp, tp, pp, *_), c in PM.best_per_family(cfg, batch, seq_len, world, budget_gb, precision, hw):
-        if c is not None and ((dp, tp, pp) not in best or c.price() < best[dp, tp, pp].price()):
-            best[dp, tp, pp] = c
+    best = {}  # by mesh: dp x tp x pp, or dp x cp (chapter 12)
+    for _, c in PM.best_per_family(cfg, batch, seq_len, world, budget_gb, precision, hw):
+        if c is not None and (c.mesh() not in best or c.price() < best[c.mesh()].price()):
+            best[c.mesh()] = c
     rows = [f"  {'mesh':22s} {'ZeRO':>4s} {'m':>4s} {'B':>4s} {'sp':>3s} {'rc':>3s} {'GB/rank':>8s} "
             f"{'bubble':>6s} {'GB sent':>8s} {'ms/step':>8s}"]
     for c in sorted(best.values(), key=PM.Plan.price):
         yes = ["yes" if on else "no" for on in (c.sequence_parallel, c.checkpointed)]
         rows.append(f"  {c.mesh():22s} {c.zero:4d} {c.micro:4d} {c.micro_batch:4d} {yes[0]:>3s} {yes[1]:>3s} "
-                    f"{c.peak / GB:8.1f} {c.bubble:6.2f} {sum(c.sent) / GB:8.2f} {1e3 * c.step_s:8.1f}")
-    for dp, tp, pp in PM.meshes(cfg, world):
-        if (dp, tp, pp) not in best:
-            rows.append(f"  {f'dp {dp} x tp {tp} x pp {pp}':22s} nothing fits {budget_gb:g} GB")
+                    f"{c.peak / GB:8.1f} {c.bubble:6.2f} {(sum(c.sent) + c.cp_sent) / GB:8.2f} {1e3 * c.step_s:8.1f}")
+    for shape in [f"dp {dp} x tp {tp} x pp {pp}" for dp, tp, pp in PM.meshes(cfg, world)] + \
+            [f"dp {world // cp} x cp {cp}" for cp in PM.cp_sizes(world, seq_len)]:
+        if shape not in best:
+            rows.append(f"  {shape:22s} nothing fits {budget_gb:g} GB")
     return rows
 
 
