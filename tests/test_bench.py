@@ -13,13 +13,13 @@ from minidist import cost_model as cm
 from minidist.bench import collectives, zero
 from conftest import run
 
-# The five benchmarks that start processes, each as a user runs it (--quick); the tests
+# The six benchmarks that start processes, each as a user runs it (--quick); the tests
 # below read their outputs
 QUICK = {"collectives": [], "muon": ["--world-sizes", "2"], "zero": ["--world-sizes", "2"],
-         "tp": ["--world-sizes", "2"], "pp": []}
+         "tp": ["--world-sizes", "2"], "pp": [], "cp": []}
 
 
-# One process runs the four short ones in a row, through the command's own entry
+# One process runs the five short ones in a row, through the command's own entry
 # (minidist.bench.__main__.main, with the arguments a user types): each separate process
 # would spend seconds importing torch and matplotlib and starting its fork server first.
 _IN_A_ROW = """
@@ -44,13 +44,13 @@ for name, argv, log in json.loads(sys.argv[1]):
 def bench(tmp_path_factory):
     """{name: (its outcome: returncode, stdout, stderr; its --out folder)}: the muon
     benchmark, the longest, as a user starts it (`python -m minidist.bench muon --quick`),
-    while one other process runs the four others in a row (none of these tests asserts a
+    while one other process runs the five others in a row (none of these tests asserts a
     speed)."""
     import concurrent.futures
     from types import SimpleNamespace
     outs = {name: tmp_path_factory.mktemp(name) for name in QUICK}
     rest = [[name, [name, "--quick", *QUICK[name], "--out", str(outs[name])], str(outs[name] / "log.json")]
-            for name in ("collectives", "zero", "tp", "pp")]
+            for name in ("collectives", "zero", "tp", "pp", "cp")]
 
     def alone():
         return run([sys.executable, "-m", "minidist.bench", "muon", "--quick", *QUICK["muon"],
@@ -59,7 +59,7 @@ def bench(tmp_path_factory):
     def in_a_row():
         done = run([sys.executable, "-c", _IN_A_ROW, json.dumps(rest)], timeout=600)
         assert done.returncode == 0, done.stderr
-        return {name: SimpleNamespace(**json.loads(open(log).read())) for name, _, log in rest}
+        return {name: SimpleNamespace(**json.loads(Path(log).read_text())) for name, _, log in rest}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         muon, others = pool.submit(alone), pool.submit(in_a_row)
         results = {"muon": muon.result(), **others.result()}
@@ -198,6 +198,39 @@ def test_pp_benchmark_quick(bench):
     assert (tmp_path / "pp.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_cp_benchmark_quick(bench):
+    """Chapter 12's benchmark, quick (cp 1 and 2, one causal attention): every way's output
+    and gradients equal SDPA's on the whole sequence (fp32), and what it counts on the real
+    run equals the closed forms computed here: the bytes each rank sent, the ring's work per
+    rank (zigzag even, contiguous not); the forward's measured peak holds at least the K, V
+    the formula says, and for the ring and the all-gather it falls from cp 1 to cp 2."""
+    from minidist.context_parallel import attention_bytes, attention_memory, imbalance, ring_work
+    r, tmp_path = bench["cp"]
+    assert r.returncode == 0, r.stderr
+    result = json.loads((tmp_path / "cp.json").read_text())
+    B, H, T, D = (result["size"][k] for k in "BHTD")
+    rows = {(row["cp"], row["way"]): row for row in result["rows"]}
+    ways = {"ring contiguous": ("ring", "contiguous"), "ring zigzag": ("ring", "zigzag"),
+            "allgather zigzag": ("allgather", "zigzag"), "ulysses": ("ulysses", "contiguous")}
+    assert set(rows) == {(n, w) for n in (1, 2) for w in ways}
+    for (n, name), row in rows.items():
+        way, layout = ways[name]
+        assert row["max_err"] <= 1e-5, (n, name, row["max_err"])  # fp32, blockwise sums reordered
+        sent = attention_bytes(way, B, H, T, D, n)
+        assert row["sent_forward"] == [sent["forward"]] * n and row["sent_backward"] == [sent["backward"]] * n
+        assert min(row["peak"]) >= attention_memory(way, B, H, T, D, n, layout=layout)["kv"], (n, name)
+        assert row["step_s"] > 0 and row["vs_sdpa"] > 0
+        if way == "ring":
+            assert row["work"] == [ring_work(T, n, rank, layout) for rank in range(n)], (n, name)
+    assert sent["forward"] > 0  # (cp 2 sends; cp 1 sends nothing, as its formula says)
+    zigzag, contiguous = rows[2, "ring zigzag"]["imbalance"], rows[2, "ring contiguous"]["imbalance"]
+    assert zigzag == 1.0 < contiguous == pytest.approx(imbalance(T, 2, "contiguous"))
+    for name in ("ring contiguous", "ring zigzag", "allgather zigzag"):
+        assert max(rows[2, name]["peak"]) < rows[1, name]["peak"][0], name
+    assert {row["fastest"] for row in result["at_scale"]} <= {"ring_contiguous", "ring_zigzag", "allgather", "ulysses"}
+    assert (tmp_path / "cp.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def _out_with(name, make):
     """An --out folder (of tmp_path) where `make` put something odd at `name`."""
     def out(tmp_path):
@@ -214,6 +247,7 @@ BAD_ARGUMENTS = [  # argv ({file}: a file; a function: of tmp_path), what the on
     (["zero", "--quick", "--world-sizes", "16"], "zero splits a batch of 8 sequences (--quick) over the ranks"),
     (["tp", "--world-sizes", "3"], "tp splits an MLP of 512 columns over all the ranks: give world sizes that divide"),
     (["ddp", "--world-sizes", "4"], "argument --world-sizes: ddp would ignore it (it runs 2 ranks)"),
+    (["cp", "--world-sizes", "4"], "argument --world-sizes: cp would ignore it (it runs its own cp sizes)"),
     (["collectives", "--quick", "--world-sizes", "4"], "collectives --quick times 2 ranks only"),
     (["zero", "--ops", "all_gather"], "argument --ops: only collectives times --ops (zero would ignore it)"),
     (["collectives", "--ops", "all_gather", "all_gather"], "argument --ops: all_gather given twice"),

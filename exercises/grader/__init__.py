@@ -11,8 +11,8 @@ like. Read core, apart, ranks, rules (and forbid), cli, then an exercise's check
 """
 
 from exercises.grader.core import check
-from exercises.grader.ranks import Cache, first_problem, per_world_size, run_all
+from exercises.grader.ranks import Cache, close, first_problem, per_world_size, run_all
 from exercises.grader.rules import Rules, events, oracle
 
-__all__ = ["Cache", "Rules", "check", "events", "first_problem", "oracle", "per_world_size",
+__all__ = ["Cache", "Rules", "check", "close", "events", "first_problem", "oracle", "per_world_size",
            "run_all"]

@@ -45,11 +45,6 @@ _MFU = [
 ]
 
 
-def _gpt(cfg: GPTConfig) -> GPT:
-    """The grader's own model, the oracle."""
-    return GPT(cfg)
-
-
 def _distinct_params(model: torch.nn.Module, skip: tuple = ()) -> int:
     # Deduplicate by identity ourselves: the tied head is the Parameter of wte.weight.
     seen = {id(p): p.numel() for n, p in model.named_parameters(remove_duplicate=False)
@@ -72,7 +67,7 @@ _CONFIGS_01 = [
 def _count_small(impl):
     for cfg in _CONFIGS_01:
         got = impl.count_params(cfg)  # the student's answer first: a stub fails fast
-        want = _distinct_params(_gpt(cfg))
+        want = _distinct_params(GPT(cfg))
         assert got == want, f"{cfg}: got {got}, GPT(cfg) has {want} distinct parameters"
 
 
@@ -83,7 +78,7 @@ def _count_presets(impl):
         cfg = GPTConfig(**kw)
         got = impl.count_params(cfg)
         with torch.device("meta"):  # shapes only: GPT-2 XL without allocating 6 GB
-            want = _distinct_params(_gpt(cfg))
+            want = _distinct_params(GPT(cfg))
         assert got == want, f"preset {preset}: got {got}, GPT has {want} distinct parameters"
 
 
@@ -94,7 +89,7 @@ def _flops_exact(impl):
         N = None
         for T in sorted({1, cfg.block_size // 2 or 1, cfg.block_size}):
             got = impl.flops_per_token(cfg, T)
-            N = N or _distinct_params(_gpt(cfg), skip=("wpe.weight",))  # no position table
+            N = N or _distinct_params(GPT(cfg), skip=("wpe.weight",))  # no position table
             want = 6 * N + 12 * cfg.n_layer * T * cfg.n_embd
             assert got == want, f"{cfg}, seq_len={T}: got {got}, the convention gives {want}"
 
@@ -112,7 +107,7 @@ def _measured_flops_per_token(cfg: GPTConfig, T: int) -> float:
     from torch.utils.flop_counter import FlopCounterMode
     if (repr(cfg), T) not in _MEASURED:
         torch.manual_seed(0)
-        model, idx = _gpt(cfg), torch.randint(0, cfg.vocab_size, (1, T))
+        model, idx = GPT(cfg), torch.randint(0, cfg.vocab_size, (1, T))
         with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
             _, loss = model(idx, idx)
             loss.backward()

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from exercises.grader import Cache, Rules, check, events, first_problem, per_world_size, run_all
+from exercises.grader import Cache, Rules, check, close, events, first_problem, per_world_size, run_all
 from minidist.ddp import make_buckets as _minidist_buckets
 
 WORLD_SIZES = (2, 3)
@@ -101,10 +101,6 @@ def _sizes(module, cap_mb):
     return [sum(p.numel() for p in b) for b in _rule(_reversed_trainable(module), cap_mb)]
 
 
-def _close(got, want, rtol=1e-5, atol=1e-6) -> bool:
-    return got.shape == want.shape and bool(((got - want).abs() <= atol + rtol * want.abs()).all())
-
-
 class _Marks:
     """Marks ("grad", name, i) when `name`'s gradient is complete and ("wait", None, i) when the
     code under test waits for a collective, i being the number of events() recorded by then."""
@@ -142,12 +138,12 @@ def _grad_problem(step, got: dict, want: dict, local: dict, n: int) -> str | Non
         g = got[name]
         if g is None:
             return f"step {step}: {name}.grad is None when loss.backward() returns"
-        if _close(g, w):
+        if close(g, w):
             continue
         where = f"step {step}: {name}.grad differs from one process's gradient on the whole batch"
-        if _close(g, n * w):
+        if close(g, n * w):
             return f"{where}: it is {n} times as large"
-        if _close(g, local[name]):
+        if close(g, local[name]):
             return f"{where}: it equals this rank's own gradient, on its part of the batch"
         i = int((g - w).abs().argmax())
         return f"{where}: element {i} is {g.reshape(-1)[i].item():.6g}, want {w.reshape(-1)[i].item():.6g}"
@@ -185,7 +181,7 @@ def _train_part(cap, fns: dict, r: int, n: int) -> dict:
                 p.sub_(0.1 * p.grad)
                 p.grad = None
     want = dict(oracle.named_parameters())
-    bad = [k for k, p in model.named_parameters() if not _close(p.detach(), want[k].detach())]
+    bad = [k for k, p in model.named_parameters() if not close(p.detach(), want[k].detach())]
     if bad and not out["problem"]:
         out["problem"] = f"after {STEPS} SGD steps, parameter {bad[0]} differs from one process's"
     return out

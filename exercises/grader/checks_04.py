@@ -13,7 +13,7 @@ import os
 import torch
 
 import minidist.ddp
-from exercises.grader import Cache, Rules, check, events, first_problem, oracle, per_world_size, run_all
+from exercises.grader import Cache, Rules, check, close, events, first_problem, oracle, per_world_size, run_all
 from minidist.model import GPT, GPTConfig
 
 WORLD_SIZES = {1: ["plain"], 2: ["plain", "ddp"]}  # the parts to run at each world size
@@ -80,23 +80,19 @@ def _oracles(n: int, k: int) -> dict:
     return out
 
 
-def _close(got, want, rtol=1e-5, atol=1e-7) -> bool:
-    return bool(((got - want).abs() <= atol + rtol * want.abs()).all())
-
-
 def _grad_problem(got: dict, oracles: dict, n: int) -> str | None:
     for name, w in oracles["right"].items():
         g = got[name]
         if g is None:
             return f"{name}.grad is None after accumulate"
-        if _close(g, w):
+        if close(g, w, atol=1e-7):
             continue
         where = f"{name}.grad differs from the whole batch's gradient"
         for mistake in ("the mean of per-micro-batch means", "each rank's sum over its own token count"):
-            if (n > 1 or "rank" not in mistake) and _close(g, oracles[mistake][name]):
+            if (n > 1 or "rank" not in mistake) and close(g, oracles[mistake][name], atol=1e-7):
                 return f"{where}: it is the gradient of {mistake}"
         for ratio in (n, 1 / n) if n > 1 else ():
-            if _close(g, ratio * w):
+            if close(g, ratio * w, atol=1e-7):
                 return f"{where}: it is {ratio:g} times as large"
         i = int((g - w).abs().argmax())
         return f"{where}: element {i} is {g.reshape(-1)[i].item():.6g}, want {w.reshape(-1)[i].item():.6g}"

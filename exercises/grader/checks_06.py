@@ -13,7 +13,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from exercises.grader import Cache, Rules, check, events, memory, per_world_size, run_all
+from exercises.grader import Cache, Rules, check, close, events, memory, per_world_size, run_all
 
 _YOURS = "the sharding is yours to write: no torch ZeRO, FSDP or DDP in exercise 06"
 RULES = Rules(forbidden=dict.fromkeys(
@@ -224,16 +224,12 @@ def _part(impl, name, world_sizes=None):
         yield from ((n, r, res) for r, res in enumerate(per_rank))
 
 
-def _close(got, want, rtol=1e-5, atol=1e-6) -> bool:  # float32, the same sums in another order
-    return got.shape == want.shape and bool(((got - want).abs() <= atol + rtol * want.abs()).all())
-
-
 def _equivalence(impl, name):
     """Every rank's parameters after the steps == one process's on the whole batch."""
     for n, r, res in _part(impl, name):
         for (k, _), g, w in zip(_model().named_parameters(), res["params"], res["want"]):
             j = int((g - w).abs().argmax())
-            assert _close(g, w), (f"on {n} ranks, rank {r}, {SPECS[name]['what']}: after {STEPS} steps {k} "
+            assert close(g, w), (f"on {n} ranks, rank {r}, {SPECS[name]['what']}: after {STEPS} steps {k} "
                                   f"differs from one process's on the whole batch: element {j} is "
                                   f"{g.reshape(-1)[j].item():.6g}, want {w.reshape(-1)[j].item():.6g}")
 
@@ -362,7 +358,7 @@ def _accumulator(impl):
     for n, r, steps in _part(impl, "accumulator", (2,)):
         for step, (got, want) in enumerate(steps):
             j = int((got - want).abs().argmax())
-            assert _close(got, want), (
+            assert close(got, want), (
                 f"{n} ranks, {ACC_MICRO} micro-steps, before optimizer step {step + 1}: rank {r}'s shard "
                 f"element {j} is {got[j].item():.6g}, want {want[j].item():.6g} (the {ACC_MICRO} "
                 f"micro-steps' gradients of every rank summed, over {n})")

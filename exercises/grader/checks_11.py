@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import minidist.pipeline.schedules as _pp
-from exercises.grader import Cache, Rules, check, first_problem, per_world_size, run_all
+from exercises.grader import Cache, Rules, check, close, first_problem, per_world_size, run_all
 from exercises.grader.rules import RuleBroken, current
 from minidist.model import GPT, GPTConfig
 
@@ -131,10 +131,7 @@ def _gpt() -> GPT:
     return gpt
 
 
-def _layers(p: int, s: int) -> range:  # stage s's blocks: contiguous, as even as they divide, extras first
-    base, extra = divmod(CFG.n_layer, p)
-    start = s * base + min(s, extra)
-    return range(start, start + base + (s < extra))
+_layers = lambda p, s: _pp.split_layers(CFG.n_layer, p)[s]  # noqa: E731 - stage s's blocks, extras first
 
 
 def _owned(p: int, s: int) -> tuple:  # what stage s's parameters' names begin with
@@ -209,10 +206,9 @@ class _Run:
     def differences(self) -> dict:
         """What differs from the oracle: parameters, and micro-batches whose input gradient does."""
         want, grads = _oracle(self.m)
-        close = lambda a, b: bool(((a - b).abs() <= ATOL + RTOL * b.abs()).all())  # noqa: E731
         owned = _owned(self.stages, self.stage)
         mine = {n: q.grad for n, q in self.model.named_parameters() if n.startswith(owned)}
-        params, detail = [n for n, g in mine.items() if g is None or not close(g, want[n])], ""
+        params, detail = [n for n, g in mine.items() if g is None or not close(g, want[n], RTOL, ATOL)], ""
         if params:
             w, g = want[params[0]].reshape(-1), mine[params[0]]
             g = torch.zeros_like(w) if g is None else g.reshape(-1)
@@ -220,7 +216,7 @@ class _Run:
             detail = f"{params[0]}[{k}] is {g[k].item():.6g}, want {w[k].item():.6g}"
         above = _layers(self.stages, self.stage)[0] - 1  # the block whose output is its input
         return {"params": params, "of": len(mine), "detail": detail,
-                "grads": [i for i, g in self.grads.items() if not close(g, grads[above][i])]}
+                "grads": [i for i, g in self.grads.items() if not close(g, grads[above][i], RTOL, ATOL)]}
 
 
 # --------------------------------------------------------------------- the part, on every rank

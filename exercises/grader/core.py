@@ -138,13 +138,10 @@ class Result:
 
 def _verdict(c: Check, impl: SimpleNamespace, rules: Rules | None) -> tuple[bool, str]:
     """(passed, message) of check `c` on `impl`, in this process, under the rules."""
-    w = None
+    w, msg = None, ""
     try:
         with watch(rules) as w:
             c.fn(impl)
-        if not w.broken:
-            return True, ""
-        return False, f"{w.broken[0]} (this check scores 0)"
     except NotImplementedError as e:  # still a stub: show its hint
         msg = f"not implemented: {e}"
     except AssertionError as e:
@@ -153,7 +150,7 @@ def _verdict(c: Check, impl: SimpleNamespace, rules: Rules | None) -> tuple[bool
         msg = f"{type(e).__name__}: {e}"
     if w is not None and w.broken:  # the rule is the message, not what followed from it
         msg = f"{w.broken[0]} (this check scores 0)"
-    return False, msg
+    return not msg, msg
 
 
 # The longest one check may run in its child; the ranks have their own watchdogs.

@@ -82,26 +82,20 @@ def _install(target: str) -> None:
     owner, name = _resolve(target)
     obj = getattr(owner, name)
     if isinstance(obj, type):  # a class: judged where it is constructed, subclasses too
-        cls = obj
-        slot = "__new__" if "__new__" in vars(cls) and "__init__" not in vars(cls) else "__init__"
-        raw = vars(cls).get(slot, getattr(cls, slot))
-        fn = raw.__func__ if isinstance(raw, staticmethod) else raw
-
-        def ctor(*a, __fn=fn, **k):
-            if rules._CURRENT:
-                _trip(target)
-            return __fn(*a, **k)
-        functools.update_wrapper(ctor, fn)
-        setattr(cls, slot, staticmethod(ctor) if isinstance(raw, staticmethod) or slot == "__new__" else ctor)
+        slot = "__new__" if "__new__" in vars(obj) and "__init__" not in vars(obj) else "__init__"
+        raw = vars(obj).get(slot, getattr(obj, slot))
     else:
         raw = vars(owner).get(name, obj) if isinstance(owner, type) else obj
-        fn = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+    fn = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
 
-        def call(*a, __fn=fn, **k):
-            if rules._CURRENT:
-                _trip(target)
-            return __fn(*a, **k)
-        functools.update_wrapper(call, fn)
+    def call(*a, __fn=fn, **k):
+        if rules._CURRENT:
+            _trip(target)
+        return __fn(*a, **k)
+    functools.update_wrapper(call, fn)
+    if isinstance(obj, type):
+        setattr(obj, slot, staticmethod(call) if isinstance(raw, staticmethod) or slot == "__new__" else call)
+    else:
         new = type(raw)(call) if isinstance(raw, (staticmethod, classmethod)) else call
         setattr(owner, name, new)
         if not isinstance(owner, type):  # the same function imported elsewhere, any name

@@ -35,12 +35,11 @@ _ATOMS = (str, bytes, int, float, complex, bool, type(None), torch.dtype, torch.
           torch.Size, range, slice, type(Ellipsis))
 
 
-def reachable(roots, modules=(), skip=(), limit: int = 200_000) -> dict:
+def reachable(roots, modules=(), limit: int = 200_000) -> dict:
     """{storage address: (bytes, an example tensor)} of the tensors reachable from `roots`.
-    `modules`: module names whose globals and classes are followed (the learner's); `skip`:
-    objects not to enter (the grader's own)."""
+    `modules`: module names whose globals and classes are followed (the learner's)."""
     found: dict = {}
-    seen = {id(x) for x in skip}
+    seen: set = set()
     todo = list(roots)
     modules = set(modules)
     while todo and len(seen) < limit:
@@ -105,15 +104,9 @@ def _filled(cell) -> bool:
     return True
 
 
-def total(found: dict, leave_out=(), floating_only: bool = False) -> int:
-    """Bytes of the storages in `found` (from reachable/graph_saved), less those whose
-    address is in `leave_out`."""
-    out = 0
-    for k, (nbytes, t) in found.items():
-        if k in leave_out or (floating_only and not t.is_floating_point()):
-            continue
-        out += nbytes
-    return out
+def total(found: dict) -> int:
+    """Bytes of the storages in `found` (from reachable, graph_saved, born_during)."""
+    return sum(nbytes for nbytes, _ in found.values())
 
 
 def storages(tensors) -> set:
@@ -130,17 +123,15 @@ def is_rng_state(t: torch.Tensor) -> bool:
     return t.dtype == torch.uint8 and t.dim() == 1 and t.numel() == _RNG_NUMEL
 
 
-def graph_saved(output: torch.Tensor, stop=(), modules=()) -> dict:
+def graph_saved(output: torch.Tensor, modules=()) -> dict:
     """{storage address: (bytes, tensor)} of what the autograd graph behind `output` holds
-    for backward, not walking past the nodes of `stop` (the grad_fn or leaf tensors of
-    what came before). Parameters (the leaves' AccumulateGrad variables) are not saved
-    tensors and are not counted unless a node saved them."""
+    for backward. Parameters (the leaves' AccumulateGrad variables) are not saved tensors
+    and are not counted unless a node saved them."""
     found: dict = {}
-    stop_ids = {id(x) for x in stop}
     seen, todo = set(), [output.grad_fn]
     while todo:
         node = todo.pop()
-        if node is None or id(node) in seen or id(node) in stop_ids:
+        if node is None or id(node) in seen:
             continue
         seen.add(id(node))
         if type(node).__name__ == "AccumulateGrad":

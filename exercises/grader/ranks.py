@@ -192,9 +192,7 @@ def _load(progress: str) -> dict:
             while True:
                 name, gathered = pickle.load(f)
                 done[name] = gathered
-    except FileNotFoundError:  # no part finished
-        pass
-    except (EOFError, pickle.UnpicklingError):  # the end, or a record cut short
+    except (FileNotFoundError, EOFError, pickle.UnpicklingError):  # none finished; the end; a record cut short
         pass
     return done
 
@@ -224,6 +222,11 @@ def per_world_size(results: dict, part: str, world_sizes):
         if kind == "error":
             raise AssertionError(f"on {n} ranks: {payload}")
         yield n, payload
+
+
+def close(got, want, rtol: float = 1e-5, atol: float = 1e-6) -> bool:
+    """got equals want to float32 rounding (the same sums in another order), shape included."""
+    return got.shape == want.shape and bool(((got - want).abs() <= atol + rtol * want.abs()).all())
 
 
 def first_problem(problems) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from exercises.grader import forbid
+from exercises.grader.memory import tensors_in
 RuleBroken = forbid.RuleBroken  # where tests and checks find it
 
 # ProcessGroup methods and the torch.distributed call each stands for (for messages).
@@ -147,29 +148,15 @@ def _judged() -> tuple[Watch | None, str]:
 # --------------------------------------------------------------------- the collectives
 
 def _nbytes(x) -> int:
-    if isinstance(x, torch.Tensor):
-        return x.numel() * x.element_size()
-    if isinstance(x, (list, tuple)):
-        return sum(_nbytes(t) for t in x)
-    return 0
-
-
-def _shapes(x) -> tuple:
-    if isinstance(x, torch.Tensor):
-        return (tuple(x.shape),)
-    if isinstance(x, (list, tuple)):
-        return tuple(s for t in x for s in _shapes(t))
-    return ()
+    return sum(t.numel() * t.element_size() for t in tensors_in(x))
 
 
 def _layout(method: str, a: tuple) -> tuple[object, object, int | None]:
     """(what it sends, what it receives into, the group rank of a message's peer)."""
-    if method in ("send",):
+    if method == "send":
         return a[0], None, a[1]
-    if method in ("recv",):
-        return None, a[0], a[1]
-    if method == "recv_anysource":
-        return None, a[0], None
+    if method in ("recv", "recv_anysource"):  # from any source: no peer
+        return None, a[0], a[1] if method == "recv" else None
     if method in ("allreduce", "allreduce_coalesced", "broadcast", "reduce"):
         return a[0], a[0], None
     if method in ("barrier", "monitored_barrier"):
@@ -191,7 +178,8 @@ def _record(pg, method: str, a: tuple) -> None:
         ranks = ()
     if peer is not None and ranks:
         peer = ranks[peer]
-    w.events.append(Event(kind, ranks, peer, _nbytes(sends), _nbytes(into), _shapes(sends), where))
+    w.events.append(Event(kind, ranks, peer, _nbytes(sends), _nbytes(into),
+                           tuple(tuple(t.shape) for t in tensors_in(sends)), where))
     allowed = w.rules.collectives if w.rules else None
     if allowed is not None and kind not in allowed:
         rule = w.rules.collective_rule or (

@@ -1,5 +1,0 @@
-import sys
-
-from exercises.grader.cli import main
-
-sys.exit(main())
