@@ -1,8 +1,7 @@
-"""train_gpt: data parallelism equals one process, the torchrun path end to end, and bad
+"""train_gpt: data parallelism (and the tp, pp and cp meshes) equals one process, and bad
 input rejected before any process group work. The multi-rank runs share the session's
-process pools (tests/conftest.py); torchrun runs only where torchrun itself is the point."""
-
-import json
+process pools (tests/conftest.py); torchrun runs only where torchrun itself is the point
+(the torchrun path end to end: tests/test_multinode.py)."""
 
 import pytest
 
@@ -102,26 +101,6 @@ def test_context_parallel_checkpoints_resume_at_another_cp(tmp_path, pool):
     assert losses(at_cp1, 5) == pytest.approx(losses(plain, 5), rel=1e-5) and len(losses(plain, 5)) == 1
     for s in (at_cp2, at_cp1):
         assert s["val_loss"] == pytest.approx(plain["val_loss"], abs=1e-3)
-
-
-def test_torchrun_end_to_end(tmp_path):
-    out = tmp_path / "run"
-    cmd = ["torchrun", "--standalone", "--nproc_per_node=2", "minidist/train_gpt.py",
-           *TINY, "--steps", "8", "--batch-size", "4", "--eval-interval", "4",
-           "--log-interval", "4", "--out-dir", str(out)]
-    r = run(cmd, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    lines = r.stdout.splitlines()
-    steps = [l for l in lines if l.startswith("step ")]
-    assert [l.split("|")[0].split()[1] for l in steps] == ["1/8", "4/8", "8/8"]  # rank 0 only
-    assert "| val " in steps[1] and "tok/s" in steps[0] and "MFU" in steps[0]
-    assert any(l.startswith("final | val loss") and "bits/byte" in l for l in lines)
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
-    summary = json.loads((out / "summary.json").read_text())
-    assert rows[-1]["val_bpb"] == summary["val_bpb"] > 0 and summary["world_size"] == 2
-    assert summary["ended"] == "completed"
-    assert not (out / "run.lock").exists()  # rank 0 held it, rank 1 did not trip on it; let go
-    assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
 
 
 BAD_FLAGS = [
