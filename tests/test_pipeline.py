@@ -276,3 +276,13 @@ def test_bubble_formula():
     assert pm.bubble_formula(1, 5) == 0
     assert pm.bubble_formula(4, 1) == 0.75  # one micro-batch: one stage busy at a time
     assert pm.bubble_formula(2, 2) == pytest.approx(1 / 3)
+
+
+def test_the_timeline_waits_for_the_gpu_and_only_there(monkeypatch):
+    """A CUDA call returns when its work is queued: the stamp synchronises that device first;
+    on a CPU the call has done its work, and the stamp does not wait."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    pm.stamp(torch.device("cpu"))
+    pm.stamp(torch.device("cuda", 0))
+    assert calls == [torch.device("cuda", 0)]

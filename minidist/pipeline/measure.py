@@ -3,10 +3,10 @@ activations, each beside the formula it is checked against.
 
 Chapter 11 (chapters/11_pipeline.md). A `StepRecord` is an Observer of the schedule in
 minidist/pipeline/schedules.py (`pipeline_step(..., record=StepRecord())`): it times each
-forward, backward and batch of messages and counts what each forward saves for backward.
-Exercised by `pytest tests/test_pipeline.py`. The formulas, for p stages and m micro-batches:
-bubble (p - 1) / (m + p - 1) in GPipe and 1F1B; in flight, GPipe m micro-batches on every
-stage, 1F1B min(p - stage, m) on stage `stage`.
+forward, backward and batch of messages (on a GPU, synchronised: `stamp`) and counts what each
+forward saves for backward. Exercised by `pytest tests/test_pipeline.py`. The formulas, for p
+stages and m micro-batches: bubble (p - 1) / (m + p - 1) in GPipe and 1F1B; in flight, GPipe
+m micro-batches on every stage, 1F1B min(p - stage, m) on stage `stage`.
 """
 
 from __future__ import annotations
@@ -35,6 +35,16 @@ class Event:
     end: float
 
 
+def stamp(device: torch.device) -> float:
+    """The timeline's clock on `device`: perf_counter, after waiting for the GPU there. A CUDA
+    kernel or NCCL message is only queued when its call returns, so an unsynchronised stamp
+    would time the queueing, not the work; this serialises host and GPU, costing a few
+    microseconds per stamp. On a CPU (gloo) a call returns when its work is done: no wait."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 @dataclass
 class StepRecord(Observer):
     """What one stage saw during one step (pipeline_step(..., record=this) fills it)."""
@@ -52,16 +62,17 @@ class StepRecord(Observer):
     def begin(self, stage) -> None:
         self.stage, self.stages = stage.stage, stage.stages
         self._live = self._in_flight = 0  # bytes and micro-batches between F and B
+        self._device = next(stage.parameters()).device  # a record is pickled: no closures
         dist.barrier(group=stage.group)  # every stage's clock starts at the same moment
-        self._t0 = time.perf_counter()
+        self._t0 = stamp(self._device)
 
     @contextmanager
     def doing(self, kind: str, mb: int, stage):
         counted, hooks = count_saved_bytes(stage) if kind == "F" else ([0], nullcontext())
-        start = time.perf_counter()
+        start = stamp(self._device)
         with hooks:
             yield
-        self.events.append(Event(kind, mb, start - self._t0, time.perf_counter() - self._t0))
+        self.events.append(Event(kind, mb, start - self._t0, stamp(self._device) - self._t0))
         if kind == "F":
             self.saved_bytes.append(counted[0])
             self._live += counted[0]
