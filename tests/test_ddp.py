@@ -223,8 +223,8 @@ def test_every_gradient_sync_is_one_interface():
     from minidist.compose.zero_muon import MuonUnderZero, MuonUnderZero3
     from minidist.ddp import FlatDDP, NaiveDDP
     from minidist.sync import GradientSync
-    from minidist.zero import FullyShardedOptimizer, ShardedOptimizer
-    syncs = [NaiveDDP, FlatDDP, DDP, ShardedOptimizer, FullyShardedOptimizer, MeshSync,
+    from minidist.zero import FSDP, FullyShardedOptimizer, ShardedOptimizer
+    syncs = [NaiveDDP, FlatDDP, DDP, ShardedOptimizer, FullyShardedOptimizer, FSDP, MeshSync,
              MuonUnderZero, MuonUnderZero3, PipelineSync]
     for cls in syncs:
         assert issubclass(cls, GradientSync), cls.__name__

@@ -15,6 +15,11 @@ Read in this order:
                 its units are buckets, as DDP's
     stage3.py   FullyShardedOptimizer: ZeRO-3 (also parameters, gathered per block);
                 its units are the transformer blocks and the root
+    fsdp.py     the same ZeRO-3 in FSDP2's shape: fully_shard(module, mp_policy=...) per
+                module, bottom-up, any torch optimizer on the shards; MixedPrecisionPolicy
+    fsdp_sync.py  ShardedModules: base.py's ShardSync driven by fully_shard's hooks
+    fsdp_model.py FSDP(model, wrap=predicate): fully_shard on what `wrap` accepts, the
+                rest replicated and averaged
 And zero_optimizer below, the one entry point for all three stages. (Muon beside the
 shards joins two ideas: minidist/compose/zero_muon.py.)
 """
@@ -23,11 +28,14 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from minidist.zero.fsdp import MixedPrecisionPolicy, fully_shard
+from minidist.zero.fsdp_model import FSDP
 from minidist.zero.layout import Unit
 from minidist.zero.stage12 import ShardedOptimizer
 from minidist.zero.stage3 import FullyShardedOptimizer
 
-__all__ = ["ShardedOptimizer", "FullyShardedOptimizer", "zero_optimizer", "Unit"]
+__all__ = ["ShardedOptimizer", "FullyShardedOptimizer", "zero_optimizer", "Unit",
+           "MixedPrecisionPolicy", "fully_shard", "FSDP"]
 
 
 def zero_optimizer(model: nn.Module, param_groups, optimizer_class, stage: int, **kwargs):

@@ -66,6 +66,7 @@ class Unit:
         self.grad_shard = torch.zeros_like(self.shard)  # this rank's averaged gradient
         self.flat_grad = None  # stage 1 only: the full gradients, kept in one flat buffer
         self.ready = 0  # parameters whose gradient is complete in this backward
+        self.reduce_dtype = None  # the gradients' dtype on the wire (fully_shard's policy); None: theirs
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """One view per parameter into a flat tensor laid out like this unit's buffer."""

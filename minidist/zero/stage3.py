@@ -7,9 +7,11 @@
 A unit is one transformer block (cut by bucket_cap_mb when larger); the "root" holds
 everything outside the blocks and is gathered for the whole step (its embeddings are used
 first in forward and last in backward, so there is nothing to win by freeing it between).
-Freeing keeps the tensors: each parameter's .data is a view into its unit's flat buffer,
-and freeing resizes that buffer's storage to zero bytes (gathering resizes it back), so the
-parameters, and the tensors autograd saved for backward, stay the same objects throughout.
+Gathering and freeing are minidist/zero/base.py's ShardSync, shared with fully_shard (the
+other face of this ZeRO-3, fsdp.py): freeing resizes a unit's flat buffer's storage to
+zero bytes and gathering resizes it back, so the parameters (views into the buffer) and the
+tensors autograd saved for backward stay the same objects. This file adds units per block
+and the hooks that say when.
 """
 
 from __future__ import annotations
@@ -72,8 +74,6 @@ class FullyShardedOptimizer(ZeroBase):
         self.other_unit_of = {p: u for u in self.other_units for p in u.params}
         for p in self.other_unit_of:
             p.register_post_accumulate_grad_hook(self._on_other_grad)
-        self._gathered, self._inflight = set(), {}  # units gathered; their all-gathers in flight
-        self._gathered_bytes, self.peak_gathered_bytes = 0, 0
         for p in ordered:
             p.register_post_accumulate_grad_hook(self._on_grad)
         module.register_forward_pre_hook(self._before_model)
@@ -82,31 +82,7 @@ class FullyShardedOptimizer(ZeroBase):
             m.register_forward_pre_hook(lambda mod, args, i=i: self._before_block(i))
             m.register_forward_hook(lambda mod, args, out, i=i: self._after_block(i, out))
 
-    # ---- gathering and freeing ------------------------------------------------------
-
-    def _gather(self, units: list[Unit], wait: bool = True) -> None:
-        for u in units:
-            if u not in self._gathered:
-                u.flat.untyped_storage().resize_(u.flat.numel() * u.flat.element_size())
-                self._inflight[u] = self._all_gather(u.flat, u.shard)  # async with torch's
-                self._gathered.add(u)
-                self._gathered_bytes += u.flat.numel() * u.flat.element_size()
-                self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered_bytes)
-        for u in units if wait else []:
-            work = self._inflight.pop(u, None)
-            if work is not None:
-                work.wait()
-
-    def _free(self, units: list[Unit]) -> None:
-        for u in units:
-            if u not in self._gathered:
-                continue
-            work = self._inflight.pop(u, None)
-            if work is not None:
-                work.wait()  # never free a buffer a collective is still writing into
-            u.flat.untyped_storage().resize_(0)
-            self._gathered.discard(u)
-            self._gathered_bytes -= u.flat.numel() * u.flat.element_size()
+    # ---- which units to gather (ShardSync gathers and frees them) --------------------
 
     def _next(self, i: int, step: int) -> list[Unit]:
         j = i + step
