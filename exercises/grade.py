@@ -3,9 +3,7 @@
 The grader itself lives in exercises/grader/ (start with its __init__.py).
 """
 
-import sys
-
 from exercises.grader.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

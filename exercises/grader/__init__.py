@@ -14,5 +14,4 @@ from exercises.grader.core import check
 from exercises.grader.ranks import Cache, close, first_problem, per_world_size, run_all
 from exercises.grader.rules import Rules, events, oracle
 
-__all__ = ["Cache", "Rules", "check", "close", "events", "first_problem", "oracle", "per_world_size",
-           "run_all"]
+__all__ = ["Cache", "Rules", "check", "close", "events", "first_problem", "oracle", "per_world_size", "run_all"]

@@ -321,3 +321,26 @@ def _sp_dropout(impl):
             assert ms[2] == ms[0], (
                 f"on {n} ranks, rank {r}: run again from the same state of the default stream "
                 "(torch.manual_seed again), the call drew another mask")
+
+
+# ---- the answer key, `python -m exercises.grade 10 --reference`: minidist's own, in the exercise's signatures
+def reference_vocab_parallel_cross_entropy(logits, targets, start, group):
+    return minidist.tensor_parallel.gpt.vocab_parallel_cross_entropy(logits, targets, start, group)
+
+
+def reference_qkv_shard(weight, bias, n_head, rank, world_size):
+    """The rows of c_attn that minidist's ParallelAttention gives rank `rank`."""
+    layers, C = minidist.tensor_parallel.layers, weight.shape[1]
+    a, b = layers.shard_range(C, rank, world_size)
+    spec = (0, tuple((a + i * C, b + i * C) for i in range(3)))
+    return layers.shard_of(weight, spec), None if bias is None else layers.shard_of(bias, spec)
+
+
+def reference_sequence_parallel_mlp(x, w_fc, w_proj, group, p=0.0):
+    layers = minidist.tensor_parallel.layers
+    h = F.gelu(F.linear(layers.gather_sequence(x, group), w_fc), approximate="tanh")
+    y = layers.reduce_scatter_sequence(F.linear(h, w_proj), group)
+    if p > 0:
+        with layers.tp_rng(group, x.device):
+            y = F.dropout(y, p, training=True)
+    return x + y
