@@ -18,4 +18,5 @@ BOOK = (
     "minidist.tensor_parallel.layers",   # 10 the f/g pair, column/row layers, the parallel MLP/attention
     "minidist.pipeline.schedules",       # 11 stages, GPipe and 1F1B
     "minidist.context_parallel.ring",    # 12 ring attention, online softmax
+    "minidist.experts.moe",              # 13 a router, top-k, capacity, balance, dispatch and combine
 )

@@ -192,7 +192,7 @@ def test_notebook_runs_top_to_bottom(nb, notebook_runs):
 # minidist modules only from the floors below its own; on its own floor, only what
 # SAME_FLOOR declares, or its own package's modules. Names are dotted paths under minidist/
 # ("zero.stage3" is minidist/zero/stage3.py, "zero" its __init__.py).
-IDEAS = ("zero", "muon", "checkpoint", "memory", "tensor_parallel", "pipeline", "context_parallel")
+IDEAS = ("zero", "muon", "checkpoint", "memory", "tensor_parallel", "pipeline", "context_parallel", "experts")
 FLOORS = {
     # run.launch and run.pool live in the workshop's folder but need only dist: anything may
     # start processes. minidist/launch.py is the public door to run.launch.

@@ -1,0 +1,94 @@
+"""Where experts meet data parallelism: the ep groups, and the gradient rules.
+Chapter 13 (chapters/13_experts.md), section "The gradient rules"; `pytest
+tests/test_experts.py` holds them equal to one process (and catches the wrong scaling).
+
+The world's ranks all hold different tokens. They form world/ep groups of ep consecutive
+ranks; inside one, rank i holds experts i*E/ep .. (i+1)*E/ep - 1, so each expert has one
+replica per ep group: its replica group is the ranks with the same index i in every group.
+
+The rules follow from chapter 04's loss. Every rank scales its summed loss by W / N (W the
+world, N the global batch's tokens) because averaging divides by W. A weight every rank
+holds (attention, the router, embeddings) gets each rank's own tokens' share, so the
+average over the world is the whole batch's gradient, as in chapter 03. An expert's weight
+gets, on each replica, the share of every token its ep group sent it (the all-to-all's
+backward brings those home), times W / N: the whole gradient is the SUM over its replicas
+divided by W, never the average over its replicas (which is ep times too large) - the
+mistake a one-rank-per-expert test cannot see.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from minidist.ddp import ReplicaSync, unique_params
+
+
+def expert_groups(ep: int) -> tuple:
+    """(this rank's ep group, its replica group): ep consecutive ranks share out the
+    experts; the ranks at the same place in every ep group hold the same experts. Every
+    rank makes every group, in the same order, as dist.new_group requires."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if ep < 1 or world % ep:
+        raise ValueError(f"--ep {ep} must divide the world size {world}: use an --ep that divides it")
+    mine = {}
+    for g in range(world // ep):
+        members = list(range(g * ep, (g + 1) * ep))
+        group = dist.new_group(members)
+        if rank in members:
+            mine["ep"] = group
+    for i in range(ep):
+        members = list(range(i, world, ep))
+        group = dist.new_group(members)
+        if rank in members:
+            mine["replicas"] = group
+    return mine["ep"], mine["replicas"]
+
+
+@torch.no_grad()
+def _sum_then_scale(params, group, coef: float) -> None:
+    """Each gradient summed over `group` (one flat all-reduce), times `coef`."""
+    if not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(flat, group=group)
+    flat.mul_(coef)
+    offset = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[offset:offset + g.numel()].view_as(g)
+        offset += g.numel()
+
+
+class ExpertSync(ReplicaSync):
+    """The gradient-sync interface (minidist/sync.py) of a model whose expert parameters
+    are marked `p.expert` (minidist.experts.expert_parallel): after the last backward,
+    the shared weights averaged over the world, each expert's summed over `replicas` and
+    divided by the world size (the derivation above). `replica_scale`: the divisor of the
+    experts' sum, the world's size unless a test plants the wrong one."""
+
+    def __init__(self, model, ep_group, replicas, replica_scale: float | None = None):
+        self.module, self.ep_group, self.replicas = model, ep_group, replicas
+        self.world = dist.get_world_size()
+        self.replica_scale = self.world if replica_scale is None else replica_scale
+        params = unique_params(model)
+        self.shared = [p for p in params if not getattr(p, "expert", False)]
+        self.experts = [p for p in params if getattr(p, "expert", False)]
+
+    def finish_gradient_synchronization(self) -> None:
+        """Call once per step, after the last backward (a second call would reduce again)."""
+        _sum_then_scale(self.shared, None, 1.0 / self.world)
+        _sum_then_scale(self.experts, self.replicas, 1.0 / self.replica_scale)
+
+    @torch.no_grad()
+    def grad_square_sum(self, weight=None) -> torch.Tensor:
+        """The whole model's squared gradient norm: the shared weights' (the same on every
+        rank) plus every expert's once (one ep group holds each expert once)."""
+        w = (lambda p: 1.0) if weight is None else weight
+        zero = torch.zeros((), dtype=torch.float64, device=self.shared[0].device)
+        sq = [sum((w(p) * p.grad.double().square().sum() for p in ps if p.grad is not None), zero)
+              for ps in (self.shared, self.experts)]
+        mine = sq[1].reshape(1).clone()
+        dist.all_reduce(mine, group=self.ep_group)
+        return sq[0] + mine[0]
