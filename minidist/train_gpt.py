@@ -37,10 +37,11 @@ from minidist.compose.build import gradient_sync, make_optimizers, make_step, sh
 from minidist.compose.mesh import make_mesh
 from minidist.dist import cleanup, init
 from minidist.run.locks import OutDirInUse, acquire_lock, release_lock, take_out_dir
-from minidist.run.flag_checks import model_of
+from minidist.run.flag_checks import model_of, moe_of
 from minidist.run.flags import (agree_across_ranks, build_parser, make_scaler, optimizer_options, parse_args,
                                 resolve_args, world_size_from_env)
 from minidist.model import GPT, config_num_params, flops_per_token
+from minidist.experts import MoEGPT, expert_stats, moe_flops_per_token, moe_num_params
 from minidist.muon import check_routing
 from minidist.memory.recompute import set_activation_checkpointing
 from minidist.checkpoint.faults import StopOnSignal, any_signal, is_collective_failure
@@ -107,8 +108,9 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
     torch.manual_seed(args.seed)
 
     enc = data.get_tokenizer(args.tokenizer)
-    cfg = model_of(args, enc.n_vocab, args.dropout)
-    model = GPT(cfg).to(info.device)
+    cfg, moe = model_of(args, enc.n_vocab, args.dropout), moe_of(args)  # (moe: chapter 13's experts)
+    model = (GPT(cfg) if moe is None else MoEGPT(cfg, moe)).to(info.device)
+    n_params = config_num_params(cfg) if moe is None else moe_num_params(cfg, moe)
     broadcast_module(model)  # identical start on every rank, whatever the seeds did
     # chapter 10: the ranks as a dp x tp grid; each replica's tp ranks hold slices of its
     # layers (cut from the identical full model) and share its batch
@@ -116,7 +118,7 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
     # chapter 12: dp x cp; each replica's cp ranks hold a slice of each of its sequences
     mesh = make_mesh(tp=args.tp, pp=args.pp, cp=args.cp) if max(args.tp, args.pp, args.cp) > 1 else None
     dp, dp_rank, group = (mesh.dp, mesh.dp_rank, mesh.dp_group) if mesh else (info.world_size, info.rank, None)
-    model = shard_model(model, mesh, args.sequence_parallel, args.cp_attention, args.cp_layout)
+    model = shard_model(model, mesh, args.sequence_parallel, args.cp_attention, args.cp_layout, args.ep)
     set_activation_checkpointing(model, args.activation_checkpointing == "blocks")  # chapter 09
     opts = make_optimizers(model, group=mesh and mesh.dp_cp_group, **optimizer_options(args))  # (ZeRO, Muon)
     sync = gradient_sync(model, opts, zero_stage=args.zero_stage, dp=args.dp, bucket_cap_mb=args.bucket_cap_mb,
@@ -128,15 +130,16 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
     train = data.TokenLoader(train_glob, args.seq_len, args.batch_size // k, dp_rank, dp, args.seed)
     val = data.TokenLoader(val_glob, args.seq_len, args.batch_size, dp_rank, dp, args.seed)
     tok_bytes = data.token_bytes(enc)
-    fpt = flops_per_token(cfg, args.seq_len)
+    fpt = flops_per_token(cfg, args.seq_len) if moe is None else moe_flops_per_token(cfg, moe, args.seq_len)
     dist.barrier()  # on CPU, every rank measures its matmul peak at the same time,
     peak, peak_src = metrics.peak_flops(info.device, args.precision)  # sharing the cores as in training
     log(f"minidist | {info.world_size} x {info.device.type} ({info.backend}) | {args.preset}: "
-        f"{config_num_params(cfg) / 1e6:.2f}M params, {cfg.n_layer}L {cfg.n_head}H {cfg.n_embd}d, "
+        f"{n_params / 1e6:.2f}M params, {cfg.n_layer}L {cfg.n_head}H {cfg.n_embd}d, "
         f"vocab {cfg.vocab_size} ({args.tokenizer}) | batch {args.batch_size} x {args.seq_len} "
         f"tokens ({k} micro-step{'s' if k > 1 else ''}) | {_axes(args, dp)} | {args.precision} | {args.optimizer}{f' zero-{args.zero_stage}' if args.zero_stage else ''} | {args.steps} steps | MFU vs {peak_src}")
-    if stepper.describe(k):  # (a pipeline's stages and schedule)
-        log(stepper.describe(k))
+    for line in (stepper.describe(k), moe and model.describe()):  # (a pipeline's stages, the experts)
+        if line:
+            log(line)
     if args.plan:  # chapter 09: what the planner chose for the "auto" flags, and why
         log(f"plan | {args.plan}")
 
@@ -155,7 +158,7 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
 
     def facts() -> dict:  # for summary.json, however the run ends
         return {"skipped_steps": scaler.skipped_steps, "loss_scale": scaler.get_scale(),
-                "device": info.device.type, "params": config_num_params(cfg)}
+                "device": info.device.type, "params": n_params}
     watch = outputs.LossWatch(args)  # a loss non-finite for steps in a row stops the run
     tput, t_start = metrics.Throughput(), time.perf_counter()
     check_muon_routing = args.optimizer == "muon"  # once, after the first step taken (ch. 07)
@@ -201,6 +204,8 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
                 m = metrics.mfu(fpt, rate, peak, info.world_size)
                 row.update(tokens_per_s=rate, mfu=m, mem_gb=metrics.memory_bytes(info.device) / 1e9,
                            elapsed_s=time.perf_counter() - t_start)
+                if moe:  # the last micro-step's choices per expert, and those dropped, per MoE block
+                    row["experts"] = expert_stats(model)
                 rows.append(row)
                 log(f"step {step + 1:5d}/{args.steps} | loss {row['loss']:.4f}"
                     + (f" | val {row['val_loss']:.4f}" if "val_loss" in row else "")
@@ -208,7 +213,7 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
                     + (f" | scale {scaler.get_scale():g} ({scaler.skipped_steps} skipped)" if scaler.enabled else "")
                     + f" | {rate:,.0f} tok/s | MFU "
                     + (f"{100 * m:.1f}%" if m is not None else "n/a")
-                    + f" | mem {row['mem_gb']:.2f} GB")
+                    + f" | mem {row['mem_gb']:.2f} GB" + (f" | experts {row['experts']}" if moe else ""))
             if args.checkpoint_every and diverged is None and \
                     ((step + 1) % args.checkpoint_every == 0 or last or ending):  # (a signal: saved)
                 run.save(step + 1, loss, model, opts, scaler, cfg, args, facts)
@@ -250,7 +255,7 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
     summary = {"ended": "completed", "val_loss": val_loss, "val_bpb": bpb, "train_seconds": train_s,
                "skipped_steps": scaler.skipped_steps, "loss_scale": scaler.get_scale(),
                "world_size": info.world_size, "device": info.device.type,
-               "params": config_num_params(cfg), "config": cfg.to_dict(), "args": vars(args),
+               "params": n_params, "config": cfg.to_dict(), "moe": moe and moe.to_dict(), "args": vars(args),
                "checkpoint": run.good and str(run.good)}
     # every rank samples (the same text, same seed): under ZeRO-3 each forward is collective
     g = torch.Generator(device=info.device).manual_seed(args.seed)
@@ -270,6 +275,8 @@ def _axes(args, dp: int) -> str:
     out = f"dp {args.dp if args.pp == 1 or args.dp == 'naive' else 'flat'}"
     if args.tp > 1 or args.pp > 1 or args.cp > 1:
         out += f" x {dp}"
+    if args.ep > 1:
+        out += f" (ep {args.ep}: experts summed over their replicas)"
     if args.cp > 1:
         out += f", cp {args.cp} ({args.cp_attention}, {args.cp_layout})"
     if args.tp > 1:

@@ -11,12 +11,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from minidist.compose.expert_sync import ExpertSync, expert_groups
 from minidist.compose.mesh import MeshSync
 from minidist.context_parallel import ContextParallelGPT, split_sequence
 from minidist.compose.pipeline_sync import PipelineSync, pipeline_eval, pipeline_generate
 from minidist.compose.tp_muon import TensorParallelMuon, tensor_parallel_group
 from minidist.compose.zero_muon import muon_for_zero, muon_under_zero
 from minidist.ddp import DDP, FlatDDP, NaiveDDP
+from minidist.experts import MoEGPT, expert_parallel
 from minidist.muon import Muon, split_params
 from minidist.pipeline import Stage, pipeline_step
 from minidist.scaler import LossScaler, autocast
@@ -26,10 +28,17 @@ from minidist.zero import ShardedOptimizer, zero_optimizer
 
 
 def shard_model(model, mesh=None, sequence_parallel: bool = False, cp_attention: str = "ring",
-                cp_layout: str = "zigzag"):
+                cp_layout: str = "zigzag", ep: int = 1):
     """This rank's part of the full `model` on a dp x tp x pp `mesh` (None: all of it):
     its slices of every layer (chapter 10), then its stage's contiguous blocks (chapter 11);
-    on a cp axis, all of it run on its slice of the sequence (chapter 12)."""
+    on a cp axis, all of it run on its slice of the sequence (chapter 12); an MoE GPT's
+    routing counted over the world, its experts spread over ep ranks (chapter 13)."""
+    if isinstance(model, MoEGPT) and dist.get_world_size() > 1:  # (train_gpt: experts with dp alone)
+        for layer in model.moe_layers():
+            layer.group = dist.group.WORLD  # every rank holds other tokens
+        if ep > 1:
+            model.expert_groups = expert_groups(ep)
+            expert_parallel(model, model.expert_groups[0], dist.group.WORLD)
     if mesh is not None and mesh.cp > 1:  # (train_gpt refuses cp with tp or pp)
         return ContextParallelGPT(model, mesh.cp_group, cp_attention, cp_layout)
     if mesh is not None and mesh.tp > 1:
@@ -68,8 +77,11 @@ def make_optimizers(model, *, lr: float, optimizer: str = "adamw", weight_decay:
         if tp_group is not None:  # (stages 1-2: whole shards on every dp rank, as Muon wants)
             opts.append(TensorParallelMuon(hidden, tp_group, "gather", group=group, **muon))
         else:
+            # ep > 1: an ep group's ranks hold other experts, their replicas the same matrices, so
+            # Muon deals its matrices over the replicas (each orthogonalised whole by one of them)
+            replicas = getattr(model, "expert_groups", (None, group))[1]
             opts.append(muon_for_zero(opts[0], hidden, group=group, **muon) if zero_stage
-                        else Muon(hidden, group=group, **muon))
+                        else Muon(hidden, group=replicas, **muon))
     for g in (g for o in opts for g in o.param_groups):
         g["peak_lr"] = g["lr"]
     return opts
@@ -83,6 +95,8 @@ def gradient_sync(model, opts, *, zero_stage: int = 0, dp: str = "bucketed", buc
     over the tp shards (chapter 10); a pipeline stage's averages after the step (chapter 11);
     with a cp axis, over the dp x cp ranks, whose tokens differ (chapter 12)."""
     group = None if mesh is None else mesh.dp_cp_group
+    if getattr(model, "expert_groups", None):  # chapter 13: an expert summed over its replicas only
+        return ExpertSync(model, *model.expert_groups)
     if mesh is not None and mesh.pp > 1:
         return PipelineSync(model, group, flat=dp != "naive", zero=opts[0] if zero_stage else None)
     if zero_stage:
@@ -93,7 +107,8 @@ def gradient_sync(model, opts, *, zero_stage: int = 0, dp: str = "bucketed", buc
     elif dp == "flat":
         sync = FlatDDP(model, group=group)
     else:
-        sync = DDP(model, bucket_cap_mb=bucket_cap_mb, group=group)
+        # an expert no token chose this step has no gradient: zero, as torch's DDP's flag does
+        sync = DDP(model, bucket_cap_mb=bucket_cap_mb, group=group, find_unused_parameters=isinstance(model, MoEGPT))
     return sync if mesh is None or mesh.tp == 1 else MeshSync(sync, mesh.tp_group)
 
 

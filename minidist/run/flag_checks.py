@@ -20,6 +20,7 @@ from minidist import data
 from minidist.files import NotARegularFile, read_bounded
 from minidist.compose.plan_mesh import plan_on_mesh, zero_stages
 from minidist.memory.plan import PlanError, default_budget_gb, plan
+from minidist.experts import MoEConfig
 from minidist.model import PRESETS, GPTConfig, config_num_params
 
 
@@ -180,6 +181,47 @@ def check_context_parallel(p, args, world_size: int) -> None:
     if auto:  # the training planner does not count a cp axis (python -m minidist.run.plan mesh does)
         p.error(f"{what} with {' '.join(a + ' auto' for a in auto)}: the planner does not plan a cp axis "
                 "for a run: give each a value (python -m minidist.run.plan mesh --help proposes one)")
+
+
+def check_experts(p, args, world_size: int) -> None:
+    """--n-experts, --top-k, --capacity-factor, --moe-every and --ep against the world, the
+    model and what is built (chapter 13)."""
+    E, ep = args.n_experts, args.ep
+    if not E:
+        given = [f for f, v, d in (("--ep", ep, 1), ("--top-k", args.top_k, 2), ("--moe-every", args.moe_every, 1),
+                                   ("--capacity-factor", args.capacity_factor, 0.0)) if v != d]
+        if given:
+            p.error(f"{' '.join(given)} shape a mixture of experts: add --n-experts E (e.g. --n-experts 4)")
+        return
+    what = f"--n-experts {E}"
+    if args.top_k > E:
+        p.error(f"{what} --top-k {args.top_k}: a token goes to at most all the experts: use --top-k <= {E}")
+    if args.moe_every > args.n_layer:
+        p.error(f"{what} --moe-every {args.moe_every}: the model has --n-layer {args.n_layer}, so no block "
+                f"would hold experts: use --moe-every <= {args.n_layer}")
+    if max(args.tp, args.pp, args.cp) > 1:
+        flag = next(f for f, v in (("--tp", args.tp), ("--pp", args.pp), ("--cp", args.cp)) if v > 1)
+        p.error(f"{what} with {flag} is not built yet: use experts with data parallelism and --ep "
+                f"(world = dp x ep), or {flag} with a dense GPT")
+    if world_size % ep:
+        p.error(f"--ep {ep} does not divide the world of {world_size} ranks: start a multiple of {ep} "
+                "ranks (world = dp x ep), or change --ep")
+    if E % ep:
+        p.error(f"{what} do not split over --ep {ep} ranks: use an --n-experts divisible by {ep}")
+    if args.zero_stage == 3 or (ep > 1 and args.zero_stage in (1, 2)):
+        p.error(f"{what}{f' --ep {ep}' if ep > 1 else ''} with --zero-stage {args.zero_stage} is not built "
+                f"yet: use --zero-stage {'0' if ep > 1 else '0, 1 or 2'}")
+    auto = [f"--{k.replace('_', '-')} auto" for k in ("zero_stage", "grad_accum_steps", "activation_checkpointing")
+            if getattr(args, k) == "auto"]
+    if auto:
+        p.error(f"{what} with {' '.join(auto)}: the planner does not count experts: give each a value")
+
+
+def moe_of(args) -> MoEConfig | None:
+    """The experts train_gpt's flags ask for (None: a dense GPT)."""
+    if not args.n_experts:
+        return None
+    return MoEConfig(args.n_experts, args.top_k, args.capacity_factor, args.aux_loss_weight, args.moe_every)
 
 
 def rank_memory(device: str) -> int | None:

@@ -72,6 +72,8 @@ steps = count(1, STEPS, "steps")
 steps_or_none = count(0, STEPS, "steps; 0: none")
 windows = count(1, STEPS, "sequences")   # an evaluation takes at most all the split holds
 checkpoints = count(1, 10**6, "checkpoints")
+experts = count(1, 4096, "experts")      # DeepSeek-V3 has 256 routed experts a layer
+experts_or_dense = count(0, 4096, "experts; 0: a dense GPT")
 sample = count(0, 10**5, "tokens; 0: none")  # one forward per token, after the run
 # (the top is far out on purpose: a learning rate that makes the loss non-finite is how the
 # divergence handling is shown and tested; the bound refuses only what is not a number of use)
@@ -79,6 +81,7 @@ learning_rate = amount(1e30, "a learning rate; the usual are 1e-4 to 0.05", low_
 decay = amount(100, "weight decay; the usual are 0 to 0.1")
 clip = amount(1e6, "a gradient norm; 0: off")
 budget_gb = amount(1e6, "GB per rank", low_open=True)
+capacity = amount(1e3, "times an expert's even share; 1 to 2 is usual; 0: dropless")
 
 
 def folder_name(text: str) -> str:

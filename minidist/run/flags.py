@@ -18,8 +18,8 @@ import torch.distributed as dist
 from minidist import data
 from minidist.run import flag_types as ft, outputs  # ft: each flag's type and range
 from minidist.run.environment import ENVIRONMENT, check_environment  # noqa: F401 (ENVIRONMENT: its table)
-from minidist.run.flag_checks import (FlagParser, blame_config, check_context_parallel, check_model, check_pipeline,
-                                      check_tensor_parallel, config_argv, plan_auto)
+from minidist.run.flag_checks import (FlagParser, blame_config, check_context_parallel, check_experts, check_model,
+                                      check_pipeline, check_tensor_parallel, config_argv, plan_auto)
 from minidist.dist import env_world_size
 from minidist.run.locks import in_use_message, lock_holder
 from minidist.model import PRESETS
@@ -94,6 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
       help="with --cp: K, V blocks around a ring, all-gathered, or all-to-all over heads (Ulysses)")
     a("--cp-layout", default="zigzag", choices=["zigzag", "contiguous"],
       help="with --cp: rank r holds chunks r and 2cp-1-r of 2cp (even causal work), or chunk r of cp")
+    a("--n-experts", type=ft.experts_or_dense, default=0,
+      help="mixture of experts (chapter 13): this many expert MLPs in each MoE block (0: a dense GPT)")
+    a("--top-k", type=ft.experts, default=2, help="with --n-experts: the experts each token goes to")
+    a("--capacity-factor", type=ft.capacity, default=0.0, help="with --n-experts: an expert's slots, "
+      "times its even share of the tokens (0: no limit, dropless); choices past it are dropped, counted")
+    a("--aux-loss-weight", type=ft.decay, default=0.01, help="with --n-experts: the balance loss's weight")
+    a("--moe-every", type=ft.layers, default=1, help="with --n-experts: an MoE in every N-th block")
+    a("--ep", type=ft.experts, default=1, help="with --n-experts: expert parallelism, the experts spread "
+      "over this many ranks, tokens sent to them by all-to-all; the world is dp x ep")
     a("--pp-schedule", default="1f1b", choices=["gpipe", "1f1b"],
       help="with --pp: all forwards then all backwards (gpipe), or one forward one backward (1f1b)")
     a("--sequence-parallel", action=argparse.BooleanOptionalAction, default=False,
@@ -139,7 +148,7 @@ MAY_CHANGE_ON_RESUME = {"device", "dp", "bucket_cap_mb", "zero_stage", "grad_acc
                         "keep_checkpoints", "resume", "debug_collectives",
                         "activation_checkpointing", "memory_budget_gb", "plan",
                         "tp", "sequence_parallel", "pp", "pp_schedule", "config", "cp", "cp_attention",
-                        "cp_layout"}  # checkpoints hold full tensors' ranges
+                        "cp_layout", "ep"}  # checkpoints hold full tensors' ranges
 
 
 def resolve_args(args, world_size: int) -> argparse.Namespace:
@@ -176,6 +185,7 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
     check_pipeline(p, args, world_size)  # chapters 11 and 10: the mesh, before the planner keeps to it
     check_tensor_parallel(p, args, world_size)
     check_context_parallel(p, args, world_size)
+    check_experts(p, args, world_size)
     if "auto" in (args.zero_stage, args.grad_accum_steps, args.activation_checkpointing):
         vars(args).update(plan_auto(p, args, world_size))
     dp = world_size // (args.tp * args.pp * args.cp)  # a replica's tp, cp ranks and stages share its batch
