@@ -105,9 +105,10 @@ def test_context_parallel_checkpoints_resume_at_another_cp(tmp_path, pool):
 
 def test_experts_train_as_one_process_and_resume_at_another_ep(tmp_path, pool):
     """Experts (chapter 13), with Muon, dropless: --ep 2 with two micro-steps on 2 ranks, then
-    resumed from its step-3 checkpoint at --ep 1 (bucketed DDP, every expert on every rank),
-    and one process's step-3 checkpoint resumed at dp 2 x ep 2 on 4 ranks (each expert with a
-    replica, Muon dealing its matrices over the replicas): every run's losses are the one-
+    resumed from its step-3 checkpoint at --ep 1 with ZeRO-1 (every expert on every rank, AdamW's
+    state sharded), and one process's step-3 checkpoint resumed at dp 2 x ep 2 with ZeRO-1 on 4
+    ranks (each expert with a replica, its AdamW state sharded over the two, Muon dealing its
+    matrices over the replicas): every run's losses are the one-
     process MoE GPT's. Tolerance rel 2e-4 on the losses, 1e-3 on the validation loss: a token
     whose k-th and (k+1)-th experts tie to the last bits can switch under another summation
     order (one token in hundreds, an effect of order 1e-5 on the loss)."""
@@ -115,9 +116,9 @@ def test_experts_train_as_one_process_and_resume_at_another_ep(tmp_path, pool):
                    "--checkpoint-every", "3"]
     one = pool(1).run(_train, argv + ["--out-dir", str(tmp_path / "one")])[0]
     ep2 = pool(2).run(_train, argv + ["--ep", "2", "--grad-accum-steps", "2", "--out-dir", str(tmp_path / "ep2")])[0]
-    ep1 = pool(2).run(_train, argv + ["--out-dir", str(tmp_path / "ep1"),
+    ep1 = pool(2).run(_train, argv + ["--zero-stage", "1", "--out-dir", str(tmp_path / "ep1"),
                                       "--resume", str(tmp_path / "ep2/checkpoints/step_00000003")])[0]
-    dp2_ep2 = pool(4).run(_train, argv + ["--ep", "2", "--out-dir", str(tmp_path / "dp2ep2"),
+    dp2_ep2 = pool(4).run(_train, argv + ["--ep", "2", "--zero-stage", "1", "--out-dir", str(tmp_path / "dp2ep2"),
                                           "--resume", str(tmp_path / "one/checkpoints/step_00000003")])[0]
     losses = lambda s, a=0: [r["loss"] for r in s["rows"] if "loss" in r and r["step"] > a]
     assert losses(ep2) == pytest.approx(losses(one), rel=2e-4) and len(losses(one)) == 6
@@ -163,7 +164,7 @@ BAD_FLAGS = [
     (["--n-experts", "3", "--ep", "2"], "use an --n-experts divisible by 2"),
     (["--n-experts", "4", "--ep", "3"], "--ep 3 does not divide the world of 2 ranks"),
     (["--n-experts", "4", "--tp", "2"], "--n-experts 4 with --tp is not built yet"),
-    (["--n-experts", "4", "--ep", "2", "--zero-stage", "1"], "use --zero-stage 0"),
+    (["--n-experts", "4", "--ep", "2", "--zero-stage", "2"], "use --zero-stage 1"),
     (["--n-experts", "4", "--moe-every", "3"], "use --moe-every <= 2"),
     (["--n-experts", "4", "--grad-accum-steps", "auto"], "the planner does not count experts"),
     (["--n-experts", "4", "--capacity-factor", "-1"], "argument --capacity-factor: must be"),

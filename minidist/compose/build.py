@@ -11,14 +11,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from minidist.compose.expert_sync import ExpertSync, expert_groups
+from minidist.compose.expert_sync import ExpertSync, expert_groups, expert_adamw
 from minidist.compose.mesh import MeshSync
 from minidist.context_parallel import ContextParallelGPT, split_sequence
 from minidist.compose.pipeline_sync import PipelineSync, pipeline_eval, pipeline_generate
 from minidist.compose.tp_muon import TensorParallelMuon, tensor_parallel_group
 from minidist.compose.zero_muon import muon_for_zero, muon_under_zero
 from minidist.ddp import DDP, FlatDDP, NaiveDDP
-from minidist.experts import MoEGPT, expert_parallel
+from minidist.experts import MoEGPT, expert_parallel, mark_experts
 from minidist.muon import Muon, split_params
 from minidist.pipeline import Stage, pipeline_step
 from minidist.scaler import LossScaler, autocast
@@ -33,12 +33,14 @@ def shard_model(model, mesh=None, sequence_parallel: bool = False, cp_attention:
     its slices of every layer (chapter 10), then its stage's contiguous blocks (chapter 11);
     on a cp axis, all of it run on its slice of the sequence (chapter 12); an MoE GPT's
     routing counted over the world, its experts spread over ep ranks (chapter 13)."""
-    if isinstance(model, MoEGPT) and dist.get_world_size() > 1:  # (train_gpt: experts with dp alone)
-        for layer in model.moe_layers():
+    if isinstance(model, MoEGPT):  # (train_gpt: experts with data parallelism alone)
+        for layer in model.moe_layers() if dist.get_world_size() > 1 else ():
             layer.group = dist.group.WORLD  # every rank holds other tokens
+        model.expert_groups = expert_groups(ep)  # (ep 1: every rank a replica of every expert)
         if ep > 1:
-            model.expert_groups = expert_groups(ep)
             expert_parallel(model, model.expert_groups[0], dist.group.WORLD)
+        else:
+            mark_experts(model)
     if mesh is not None and mesh.cp > 1:  # (train_gpt refuses cp with tp or pp)
         return ContextParallelGPT(model, mesh.cp_group, cp_attention, cp_layout)
     if mesh is not None and mesh.tp > 1:
@@ -61,10 +63,13 @@ def make_optimizers(model, *, lr: float, optimizer: str = "adamw", weight_decay:
     groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
     adamw = dict(lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    experts = getattr(model, "expert_groups", None)  # (ep group, replicas) of an MoE GPT
     if zero_stage and isinstance(model, Stage):  # chapter 11: ZeRO-1 of a pipeline stage
         # takes its shard of gradients averaged after the pipeline step (PipelineSync)
         opts = [ShardedOptimizer(groups, torch.optim.AdamW, group=group, stage=1, reduce_gradients=False,
                                  bucket_cap_mb=bucket_cap_mb, module=model, **adamw)]
+    elif experts:  # chapter 13: ExpertSync averages, ZeRO-1 shards each part's state
+        opts = expert_adamw(groups, experts[1], group, zero_stage, bucket_cap_mb, **adamw)
     elif zero_stage:  # ZeRO averages the gradients itself, with reduce-scatters
         opts = [zero_optimizer(model, groups, torch.optim.AdamW, zero_stage,  # (stage 3 shards
                                bucket_cap_mb=bucket_cap_mb, others=hidden, group=group, **adamw)]
@@ -77,11 +82,11 @@ def make_optimizers(model, *, lr: float, optimizer: str = "adamw", weight_decay:
         if tp_group is not None:  # (stages 1-2: whole shards on every dp rank, as Muon wants)
             opts.append(TensorParallelMuon(hidden, tp_group, "gather", group=group, **muon))
         else:
-            # ep > 1: an ep group's ranks hold other experts, their replicas the same matrices, so
-            # Muon deals its matrices over the replicas (each orthogonalised whole by one of them)
-            replicas = getattr(model, "expert_groups", (None, group))[1]
-            opts.append(muon_for_zero(opts[0], hidden, group=group, **muon) if zero_stage
-                        else Muon(hidden, group=replicas, **muon))
+            # experts: an ep group's ranks hold other experts, their replicas the same matrices,
+            # so Muon deals its matrices over the replicas (each orthogonalised whole by one)
+            opts.append(Muon(hidden, group=experts[1], **muon) if experts else
+                        muon_for_zero(opts[0], hidden, group=group, **muon) if zero_stage else
+                        Muon(hidden, group=group, **muon))
     for g in (g for o in opts for g in o.param_groups):
         g["peak_lr"] = g["lr"]
     return opts
@@ -96,7 +101,7 @@ def gradient_sync(model, opts, *, zero_stage: int = 0, dp: str = "bucketed", buc
     with a cp axis, over the dp x cp ranks, whose tokens differ (chapter 12)."""
     group = None if mesh is None else mesh.dp_cp_group
     if getattr(model, "expert_groups", None):  # chapter 13: an expert summed over its replicas only
-        return ExpertSync(model, *model.expert_groups)
+        return ExpertSync(model, *model.expert_groups, zeros=[o for o in opts if isinstance(o, ShardedOptimizer)])
     if mesh is not None and mesh.pp > 1:
         return PipelineSync(model, group, flat=dp != "naive", zero=opts[0] if zero_stage else None)
     if zero_stage:
@@ -107,8 +112,7 @@ def gradient_sync(model, opts, *, zero_stage: int = 0, dp: str = "bucketed", buc
     elif dp == "flat":
         sync = FlatDDP(model, group=group)
     else:
-        # an expert no token chose this step has no gradient: zero, as torch's DDP's flag does
-        sync = DDP(model, bucket_cap_mb=bucket_cap_mb, group=group, find_unused_parameters=isinstance(model, MoEGPT))
+        sync = DDP(model, bucket_cap_mb=bucket_cap_mb, group=group)
     return sync if mesh is None or mesh.tp == 1 else MeshSync(sync, mesh.tp_group)
 
 

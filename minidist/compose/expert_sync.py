@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from minidist.ddp import ReplicaSync, unique_params
+from minidist.zero import ShardedOptimizer
 
 
 def expert_groups(ep: int) -> tuple:
@@ -68,8 +69,8 @@ class ExpertSync(ReplicaSync):
     divided by the world size (the derivation above). `replica_scale`: the divisor of the
     experts' sum, the world's size unless a test plants the wrong one."""
 
-    def __init__(self, model, ep_group, replicas, replica_scale: float | None = None):
-        self.module, self.ep_group, self.replicas = model, ep_group, replicas
+    def __init__(self, model, ep_group, replicas, replica_scale: float | None = None, zeros=()):
+        self.module, self.ep_group, self.replicas, self.zeros = model, ep_group, replicas, list(zeros)
         self.world = dist.get_world_size()
         self.replica_scale = self.world if replica_scale is None else replica_scale
         params = unique_params(model)
@@ -80,6 +81,13 @@ class ExpertSync(ReplicaSync):
         """Call once per step, after the last backward (a second call would reduce again)."""
         _sum_then_scale(self.shared, None, 1.0 / self.world)
         _sum_then_scale(self.experts, self.replicas, 1.0 / self.replica_scale)
+        for zero in self.zeros:  # ZeRO-1's shards of the averages (expert_zero)
+            zero.finish_gradient_synchronization()
+
+    def scale_grads(self, coef) -> None:
+        super().scale_grads(coef)
+        for zero in self.zeros:
+            zero.scale_grads(coef)
 
     @torch.no_grad()
     def grad_square_sum(self, weight=None) -> torch.Tensor:
@@ -92,3 +100,22 @@ class ExpertSync(ReplicaSync):
         mine = sq[1].reshape(1).clone()
         dist.all_reduce(mine, group=self.ep_group)
         return sq[0] + mine[0]
+
+
+
+def expert_adamw(groups: list[dict], replicas, group=None, zero_stage: int = 0, bucket_cap_mb: float = 25.0,
+                 **adamw) -> list:
+    """An MoE model's AdamW, in two: the shared parameters' and the experts' (the same
+    two at every ep size and ZeRO stage, so a checkpoint resumes at another). Under ZeRO-1,
+    ExpertSync averages the gradients first, then each part's state is sharded over the
+    ranks that hold those parameters: the world (`group`), or each expert's replicas."""
+    opts = []
+    for experts, over in ((False, group), (True, replicas)):
+        part = [{**g, "params": [p for p in g["params"] if getattr(p, "expert", False) == experts]} for g in groups]
+        part = [g for g in part if g["params"]]
+        if part and zero_stage:
+            opts.append(ShardedOptimizer(part, torch.optim.AdamW, group=over, stage=1, reduce_gradients=False,
+                                         bucket_cap_mb=bucket_cap_mb, **adamw))
+        elif part:
+            opts.append(torch.optim.AdamW(part, **adamw))
+    return opts

@@ -121,12 +121,13 @@ class MoE(nn.Module):
         order = torch.argsort(expert, stable=True)
         token, expert, gate = token[order], expert[order], gate[order]
         y = self.run_experts(h[token], torch.bincount(expert, minlength=E))
-        # combine: each result back to its token, weighted by its gate (the router learns here)
-        out = torch.zeros_like(h).index_add(0, token, y * gate[:, None].to(y.dtype))
+        # combine: each result back to its token, weighted by its gate (the router learns
+        # here), summed in fp32 whatever the experts' dtype under autocast
+        out = h.new_zeros(h.shape, dtype=torch.float32).index_add(0, token, y.float() * gate[:, None])
         self.aux_sum = balance_sum(probs, total.float() / total.sum())
         kept = total if cap is None else total.clamp(max=cap)
         self.stats = {"tokens": total.tolist(), "dropped": int((total - kept).sum())}
-        return out.view(B, T, C)
+        return out.view(B, T, C).to(x.dtype)
 
     def run_experts(self, xs: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
         """Each expert on its contiguous block of `xs` (per_expert[e] rows for expert e)."""

@@ -208,9 +208,9 @@ def check_experts(p, args, world_size: int) -> None:
                 "ranks (world = dp x ep), or change --ep")
     if E % ep:
         p.error(f"{what} do not split over --ep {ep} ranks: use an --n-experts divisible by {ep}")
-    if args.zero_stage == 3 or (ep > 1 and args.zero_stage in (1, 2)):
-        p.error(f"{what}{f' --ep {ep}' if ep > 1 else ''} with --zero-stage {args.zero_stage} is not built "
-                f"yet: use --zero-stage {'0' if ep > 1 else '0, 1 or 2'}")
+    if args.zero_stage in (2, 3):
+        p.error(f"{what} with --zero-stage {args.zero_stage} is not built yet: use --zero-stage 1 (AdamW's "
+                "state sharded, each expert's over its replicas) or 0")
     auto = [f"--{k.replace('_', '-')} auto" for k in ("zero_stage", "grad_accum_steps", "activation_checkpointing")
             if getattr(args, k) == "auto"]
     if auto:
