@@ -272,11 +272,11 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
 
 def _axes(args, dp: int) -> str:
     """The mesh for the log: "dp flat x 2, tp 2 + sequence parallel, pp 2"."""
-    out = f"dp {args.dp if args.pp == 1 or args.dp == 'naive' else 'flat'}"
+    out = f"dp {args.dp if (args.pp == 1 and not args.n_experts) or args.dp == 'naive' else 'flat'}"
     if args.tp > 1 or args.pp > 1 or args.cp > 1:
         out += f" x {dp}"
-    if args.ep > 1:
-        out += f" (ep {args.ep}: experts summed over their replicas)"
+    if args.n_experts:
+        out += f", ep {args.ep} (ExpertSync: experts summed over their replicas)"
     if args.cp > 1:
         out += f", cp {args.cp} ({args.cp_attention}, {args.cp_layout})"
     if args.tp > 1:

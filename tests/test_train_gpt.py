@@ -165,6 +165,7 @@ BAD_FLAGS = [
     (["--n-experts", "4", "--ep", "3"], "--ep 3 does not divide the world of 2 ranks"),
     (["--n-experts", "4", "--tp", "2"], "--n-experts 4 with --tp is not built yet"),
     (["--n-experts", "4", "--ep", "2", "--zero-stage", "2"], "use --zero-stage 1"),
+    (["--n-experts", "4", "--dp", "naive"], "averaged by ExpertSync"),
     (["--n-experts", "4", "--moe-every", "3"], "use --moe-every <= 2"),
     (["--n-experts", "4", "--grad-accum-steps", "auto"], "the planner does not count experts"),
     (["--n-experts", "4", "--capacity-factor", "-1"], "argument --capacity-factor: must be"),

@@ -126,6 +126,9 @@ def check_pipeline(p, args, world_size: int) -> None:
     if args.n_layer < pp:
         p.error(f"{what}: each stage holds at least one block and the model has --n-layer "
                 f"{args.n_layer}: use --pp <= {args.n_layer}")
+    if args.dp != "bucketed":
+        p.error(f"{what} with --dp {args.dp}: an MoE GPT's gradients are averaged by ExpertSync (one flat "
+                "all-reduce after backward, each expert over its replicas): drop --dp")
     if args.zero_stage in (2, 3):
         p.error(f"{what} with --zero-stage {args.zero_stage}: ZeRO-{args.zero_stage} would "
                 f"{'reduce-scatter the gradients' if args.zero_stage == 2 else 're-gather the parameters'} "
@@ -208,6 +211,9 @@ def check_experts(p, args, world_size: int) -> None:
                 "ranks (world = dp x ep), or change --ep")
     if E % ep:
         p.error(f"{what} do not split over --ep {ep} ranks: use an --n-experts divisible by {ep}")
+    if args.dp != "bucketed":
+        p.error(f"{what} with --dp {args.dp}: an MoE GPT's gradients are averaged by ExpertSync (one flat "
+                "all-reduce after backward, each expert over its replicas): drop --dp")
     if args.zero_stage in (2, 3):
         p.error(f"{what} with --zero-stage {args.zero_stage} is not built yet: use --zero-stage 1 (AdamW's "
                 "state sharded, each expert's over its replicas) or 0")
