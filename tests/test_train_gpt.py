@@ -104,7 +104,8 @@ def test_context_parallel_checkpoints_resume_at_another_cp(tmp_path, pool):
 
 
 def test_experts_train_as_one_process_and_resume_at_another_ep(tmp_path, pool):
-    """Experts (chapter 13), with Muon, dropless: --ep 2 with two micro-steps on 2 ranks, then
+    """Experts (chapter 13), with Muon, dropless: --ep 2 with ZeRO-2 (each expert's gradient
+    divided by ep before its reduce-scatter over its replicas) and two micro-steps on 2 ranks, then
     resumed from its step-3 checkpoint at --ep 1 with ZeRO-1 (every expert on every rank, AdamW's
     state sharded), and one process's step-3 checkpoint resumed at dp 2 x ep 2 with ZeRO-1 on 4
     ranks (each expert with a replica, its AdamW state sharded over the two, Muon dealing its
@@ -115,7 +116,8 @@ def test_experts_train_as_one_process_and_resume_at_another_ep(tmp_path, pool):
     argv = TINY + ["--steps", "6", "--batch-size", "8", "--eval-interval", "100", "--n-experts", "4",
                    "--checkpoint-every", "3"]
     one = pool(1).run(_train, argv + ["--out-dir", str(tmp_path / "one")])[0]
-    ep2 = pool(2).run(_train, argv + ["--ep", "2", "--grad-accum-steps", "2", "--out-dir", str(tmp_path / "ep2")])[0]
+    ep2 = pool(2).run(_train, argv + ["--ep", "2", "--zero-stage", "2", "--grad-accum-steps", "2",
+                                      "--out-dir", str(tmp_path / "ep2")])[0]
     ep1 = pool(2).run(_train, argv + ["--zero-stage", "1", "--out-dir", str(tmp_path / "ep1"),
                                       "--resume", str(tmp_path / "ep2/checkpoints/step_00000003")])[0]
     dp2_ep2 = pool(4).run(_train, argv + ["--ep", "2", "--zero-stage", "1", "--out-dir", str(tmp_path / "dp2ep2"),
@@ -164,7 +166,7 @@ BAD_FLAGS = [
     (["--n-experts", "3", "--ep", "2"], "use an --n-experts divisible by 2"),
     (["--n-experts", "4", "--ep", "3"], "--ep 3 does not divide the world of 2 ranks"),
     (["--n-experts", "4", "--tp", "2"], "--n-experts 4 with --tp is not built yet"),
-    (["--n-experts", "4", "--ep", "2", "--zero-stage", "2"], "use --zero-stage 1"),
+    (["--n-experts", "4", "--ep", "2", "--zero-stage", "3"], "use --zero-stage 1 or 2"),
     (["--n-experts", "4", "--dp", "naive"], "averaged by ExpertSync"),
     (["--n-experts", "4", "--moe-every", "3"], "use --moe-every <= 2"),
     (["--n-experts", "4", "--grad-accum-steps", "auto"], "the planner does not count experts"),

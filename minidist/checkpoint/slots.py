@@ -116,10 +116,16 @@ class Layout:
         """Whether this rank saves parameter p (and its state, when that is replicated too)."""
         return self.writer[self.names[id(p)]] == self.rank
 
-    def writes_pieces(self, p) -> bool:
-        """Whether this rank saves its pieces of p's state sharded over its replicas (ZeRO):
-        the pieces of a shard always; of a replicated parameter, in its writer's replicas."""
-        return self.cut_like[self.writer[self.names[id(p)]]] == self.cut_like[self.rank]
+    def writes_pieces(self, p, opt=None) -> bool:
+        """Whether this rank saves its pieces of p's state sharded (ZeRO) over `opt`'s group:
+        if p's writer is in that group, every rank of it writes its pieces (ranks that hold
+        other tensors, chapter 13's experts, may share it); without a group, the ranks cut
+        and placed like p's writer do."""
+        writer = self.writer[self.names[id(p)]]
+        members = _members(opt)
+        if members is not None:
+            return writer in members
+        return self.cut_like[writer] == self.cut_like[self.rank]
 
     def slots(self, model, optimizers) -> list[Slot]:
         """The parameters and persistent buffers: a parameter that an optimizer holds only as
@@ -127,12 +133,13 @@ class Layout:
         whole here (or this rank's tensor-parallel shard), and one of its holders writes it."""
         slots = [Slot(f"model/{n}", tuple(b.shape), flat_runs(tuple(b.shape), None), b.view(-1),
                       self.writer[n] == self.rank) for n, b in self.buffers]
-        pieces = [piece for o in optimizers if hasattr(o, "state_pieces") for piece in o.state_pieces()[1]]
-        for p, start, t in pieces:
+        pieces = [(o, piece) for o in optimizers if hasattr(o, "state_pieces") for piece in o.state_pieces()[1]]
+        for o, (p, start, t) in pieces:
             if t.numel():  # (an empty piece: sharded, but none of it on this rank)
                 n = self.names[id(p)]
                 slots.append(Slot(f"model/{n}", self.shape[n], cut_runs(self.runs[n], start, start + t.numel()),
-                                  t, self.writes_pieces(p)))
+                                  t, self.writes_pieces(p, o)))
+        pieces = [piece for _, piece in pieces]
         in_pieces = {id(p) for p, _, _ in pieces}
         params = [p for p in {id(p): p for p in model.parameters()}.values() if id(p) not in in_pieces]
         return slots + [Slot(f"model/{self.names[id(p)]}", self.shape[self.names[id(p)]],
@@ -150,11 +157,18 @@ class Layout:
             for p, start, holder, a, b in opt.state_pieces()[0]:
                 n = self.names[id(p)]
                 yield (n, self.shape[n], cut_runs(self.runs[n], start, start + b - a), holder, (a, b),
-                       self.writes_pieces(p))
+                       self.writes_pieces(p, opt))
             return
         for p in (p for g in opt.param_groups for p in g["params"]):
             n = self.names[id(p)]
             yield n, self.shape[n], self.runs[n], p, None, self.writes(p)
+
+
+def _members(opt) -> set | None:
+    """The global ranks a sharding optimizer shards over (its `group`; None: not said)."""
+    if opt is None or not hasattr(opt, "group") or not dist.is_initialized():
+        return None
+    return set(range(dist.get_world_size())) if opt.group is None else set(dist.get_process_group_ranks(opt.group))
 
 
 def _spec(spec) -> tuple | None:

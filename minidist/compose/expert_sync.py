@@ -73,7 +73,10 @@ class ExpertSync(ReplicaSync):
         self.module, self.ep_group, self.replicas, self.zeros = model, ep_group, replicas, list(zeros)
         self.world = dist.get_world_size()
         self.replica_scale = self.world if replica_scale is None else replica_scale
-        params = unique_params(model)
+        # ZeRO-2's parameters are reduce-scattered by their optimizer during backward (expert_adamw)
+        self.reducing = [z for z in self.zeros if z.reduce_gradients]
+        theirs = {id(p) for z in self.reducing for u in z.units for p in u.params}
+        params = [p for p in unique_params(model) if id(p) not in theirs]
         self.shared = [p for p in params if not getattr(p, "expert", False)]
         self.experts = [p for p in params if getattr(p, "expert", False)]
 
@@ -94,28 +97,39 @@ class ExpertSync(ReplicaSync):
         """The whole model's squared gradient norm: the shared weights' (the same on every
         rank) plus every expert's once (one ep group holds each expert once)."""
         w = (lambda p: 1.0) if weight is None else weight
-        zero = torch.zeros((), dtype=torch.float64, device=self.shared[0].device)
+        zero = torch.zeros((), dtype=torch.float64, device=next(self.module.parameters()).device)
         sq = [sum((w(p) * p.grad.double().square().sum() for p in ps if p.grad is not None), zero)
               for ps in (self.shared, self.experts)]
+        for z in self.reducing:  # ZeRO-2's shards: summed over the ranks that hold them
+            sq[_holds_experts(z)] = sq[_holds_experts(z)] + z.grad_square_sum(weight)
         mine = sq[1].reshape(1).clone()
         dist.all_reduce(mine, group=self.ep_group)
         return sq[0] + mine[0]
+
+
+def _holds_experts(zero) -> bool:
+    return any(getattr(p, "expert", False) for u in zero.units for p in u.params)
 
 
 
 def expert_adamw(groups: list[dict], replicas, group=None, zero_stage: int = 0, bucket_cap_mb: float = 25.0,
                  **adamw) -> list:
     """An MoE model's AdamW, in two: the shared parameters' and the experts' (the same
-    two at every ep size and ZeRO stage, so a checkpoint resumes at another). Under ZeRO-1,
-    ExpertSync averages the gradients first, then each part's state is sharded over the
-    ranks that hold those parameters: the world (`group`), or each expert's replicas."""
-    opts = []
+    two at every ep size and ZeRO stage, so a checkpoint resumes at another). Each part's
+    state is sharded over the ranks that hold those parameters: the world (`group`), or
+    each expert's replicas. ZeRO-1: ExpertSync averages the gradients, then each takes its
+    shard. ZeRO-2: each reduce-scatters its own during backward, averaging over its ranks;
+    an expert's average over its replicas is ep times its gradient (the rule above), so
+    each expert gradient is divided by ep as backward produces it, before it is reduced."""
+    opts, ep = [], dist.get_world_size() // dist.get_world_size(replicas)
     for experts, over in ((False, group), (True, replicas)):
         part = [{**g, "params": [p for p in g["params"] if getattr(p, "expert", False) == experts]} for g in groups]
         part = [g for g in part if g["params"]]
         if part and zero_stage:
-            opts.append(ShardedOptimizer(part, torch.optim.AdamW, group=over, stage=1, reduce_gradients=False,
-                                         bucket_cap_mb=bucket_cap_mb, **adamw))
+            opts.append(ShardedOptimizer(part, torch.optim.AdamW, group=over, stage=zero_stage,
+                                         reduce_gradients=zero_stage == 2, bucket_cap_mb=bucket_cap_mb, **adamw))
+            for p in (p for g in part for p in g["params"]) if experts and zero_stage == 2 and ep > 1 else ():
+                p.register_hook(lambda grad: grad / ep)
         elif part:
             opts.append(torch.optim.AdamW(part, **adamw))
     return opts

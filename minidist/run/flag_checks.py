@@ -214,9 +214,9 @@ def check_experts(p, args, world_size: int) -> None:
     if args.dp != "bucketed":
         p.error(f"{what} with --dp {args.dp}: an MoE GPT's gradients are averaged by ExpertSync (one flat "
                 "all-reduce after backward, each expert over its replicas): drop --dp")
-    if args.zero_stage in (2, 3):
-        p.error(f"{what} with --zero-stage {args.zero_stage} is not built yet: use --zero-stage 1 (AdamW's "
-                "state sharded, each expert's over its replicas) or 0")
+    if args.zero_stage == 3:
+        p.error(f"{what} with --zero-stage 3 is not built yet: use --zero-stage 1 or 2 (AdamW's state, and "
+                "at 2 its gradients, sharded, each expert's over its replicas) or 0")
     auto = [f"--{k.replace('_', '-')} auto" for k in ("zero_stage", "grad_accum_steps", "activation_checkpointing")
             if getattr(args, k) == "auto"]
     if auto:
