@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from minidist.compose.expert_sync import ExpertSync, expert_groups
+from minidist.ddp import allreduce_gradients_flat
 from minidist.experts import (MoE, MoEConfig, MoEGPT, balance_sum, expert_parallel, moe_flops_per_token,
                               moe_num_params)
 from minidist.experts.parallel import _AllToAll, local_experts
@@ -164,11 +165,15 @@ def _on_ranks(world):
         want_loss, want = (loss_sum / (y != -1).sum()).item(), _grads(oracle)
         want_stats = [m.stats for m in oracle.moe_layers()]
         for ep, (ep_group, replicas) in groups.items():
-            for rule, scale in (("right", None), ("replica average", world // ep)):
+            for rule, scale in (("right", None), ("replica average", world // ep), ("world average", None)):
                 model = expert_parallel(copy.deepcopy(full), ep_group, dist.group.WORLD)
                 sync = ExpertSync(model, ep_group, replicas, replica_scale=scale)
                 mine = slice(r * B, (r + 1) * B)
-                loss = forward_backward(model, [(x[mine], y[mine])], world, sync)
+                if rule == "world average":  # plain data parallelism over everything: other experts mixed in
+                    loss = forward_backward(model, [(x[mine], y[mine])], world)
+                    allreduce_gradients_flat(model)
+                else:
+                    loss = forward_backward(model, [(x[mine], y[mine])], world, sync)
                 got = _grads(model)
                 errs = {n: ((got[n] - want[n]).abs() - TOL["rtol"] * want[n].abs()).max().item()
                         for n in got}
@@ -207,9 +212,13 @@ def test_expert_parallel_equals_one_process(pool, world, ep, name):
 
 
 @pytest.mark.parametrize("world,ep", [(w, ep) for w, eps in SETUPS.items() for ep in eps])
-def test_averaging_an_expert_over_its_replicas_is_caught(pool, world, ep):
+@pytest.mark.parametrize("rule", ["replica average", "world average"])
+def test_the_wrong_gradient_rules_are_caught(pool, world, ep, rule):
+    """An expert averaged over its replicas (ep times too large), or every parameter
+    averaged over the world as plain data parallelism does (other ranks' experts mixed in):
+    the experts' gradients differ from one process's, the shared ones do not."""
     for res in _results(pool, world):
-        errs = res["dropless", ep, "replica average"]["errs"]
+        errs = res["dropless", ep, rule]["errs"]
         assert max(e for n, e in errs.items() if ".experts." in n) > 1e-3
         assert max(e for n, e in errs.items() if ".experts." not in n) <= TOL["atol"]
 

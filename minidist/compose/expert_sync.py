@@ -12,8 +12,8 @@ holds (attention, the router, embeddings) gets each rank's own tokens' share, so
 average over the world is the whole batch's gradient, as in chapter 03. An expert's weight
 gets, on each replica, the share of every token its ep group sent it (the all-to-all's
 backward brings those home), times W / N: the whole gradient is the SUM over its replicas
-divided by W, never the average over its replicas (which is ep times too large) - the
-mistake a one-rank-per-expert test cannot see.
+divided by W, never the average over its replicas (ep times too large: a test at ep 1,
+where every rank is a replica of every expert, cannot see the difference).
 """
 
 from __future__ import annotations
