@@ -4,9 +4,11 @@ activations, each beside the formula it is checked against.
 Chapter 11 (chapters/11_pipeline.md). A `StepRecord` is an Observer of the schedule in
 minidist/pipeline/schedules.py (`pipeline_step(..., record=StepRecord())`): it times each
 forward, backward and batch of messages (on a GPU, synchronised: `stamp`) and counts what each
-forward saves for backward. Exercised by `pytest tests/test_pipeline.py`. The formulas, for p
-stages and m micro-batches: bubble (p - 1) / (m + p - 1) in GPipe and 1F1B; in flight, GPipe
-m micro-batches on every stage, 1F1B min(p - stage, m) on stage `stage`.
+forward saves for backward. Exercised by `pytest tests/test_pipeline.py` and
+`pytest tests/test_pipeline_schedules.py`. The formulas, for p stages and m micro-batches:
+bubble (p - 1) / (m + p - 1) in GPipe and 1F1B; in flight, GPipe m micro-batches on every stage,
+1F1B min(p - stage, m) on stage `stage`; interleaved 1F1B's and ZB-H1's below theirs, each exact
+on the ideal timeline (minidist/pipeline/orders.py) where F, B and W cost fixed units.
 """
 
 from __future__ import annotations
@@ -22,17 +24,19 @@ from minidist.cost_model import block_activation_bytes
 from minidist.model import GPTConfig
 from minidist.pipeline.schedules import Observer
 
-COMPUTE = ("F", "B")  # the kinds of event that are work; the rest is waiting or talking
+COMPUTE = ("F", "B", "W")  # the kinds of event that are work; the rest is waiting or talking
 
 
 @dataclass
 class Event:
-    """One thing a stage did: `kind` "F", "B", "send", "recv", "send+recv" or "idle", of
-    micro-batch `mb`; start and end in seconds since the barrier that began the step."""
+    """One thing a stage did: `kind` "F", "B", "W" (a split backward's weight half), "send",
+    "recv", "send+recv" or "idle", of micro-batch `mb` in the stage's `chunk` (interleaved 1F1B's;
+    0 elsewhere); start and end in seconds since the barrier that began the step."""
     kind: str
     mb: int | None
     start: float
     end: float
+    chunk: int = 0
 
 
 def stamp(device: torch.device) -> float:
@@ -51,37 +55,43 @@ class StepRecord(Observer):
     stage: int = 0
     stages: int = 1
     events: list = field(default_factory=list)       # Event, in the order they happened
-    saved_bytes: list = field(default_factory=list)  # per micro-batch: bytes saved for backward
-    peak_saved: int = 0                              # most of them held at one moment
-    peak_in_flight: int = 0                          # most micro-batches between F and B
+    saved_bytes: list = field(default_factory=list)  # per forward, in order: bytes saved for backward
 
     def order(self) -> list[tuple[str, int]]:
         """The schedule as run: [("F", 0), ("F", 1), ("B", 0), ...]."""
         return [(e.kind, e.mb) for e in self.events if e.kind in COMPUTE]
 
+    def actions(self) -> list[tuple[str, int, int]]:
+        """The same with each step's chunk: [("F", chunk, mb), ...]."""
+        return [(e.kind, e.chunk, e.mb) for e in self.events if e.kind in COMPUTE]
+
+    @property
+    def peak_in_flight(self) -> int:
+        """Most (chunk, micro-batch) forwards whose backward had not ended at one moment."""
+        return in_flight(self.actions())
+
+    @property
+    def peak_saved(self) -> int:
+        """Most bytes saved for backward held at one moment (a forward's until its last
+        backward step: W where the backward is split, B elsewhere)."""
+        sizes = iter(self.saved_bytes)
+        return _peak(self.actions(), lambda unit: next(sizes, 0))
+
     def begin(self, stage) -> None:
         self.stage, self.stages = stage.stage, stage.stages
-        self._live = self._in_flight = 0  # bytes and micro-batches between F and B
         self._device = next(stage.parameters()).device  # a record is pickled: no closures
         dist.barrier(group=stage.group)  # every stage's clock starts at the same moment
         self._t0 = stamp(self._device)
 
     @contextmanager
-    def doing(self, kind: str, mb: int, stage):
+    def doing(self, kind: str, mb: int, stage, chunk: int = 0):
         counted, hooks = count_saved_bytes(stage) if kind == "F" else ([0], nullcontext())
         start = stamp(self._device)
         with hooks:
             yield
-        self.events.append(Event(kind, mb, start - self._t0, stamp(self._device) - self._t0))
+        self.events.append(Event(kind, mb, start - self._t0, stamp(self._device) - self._t0, chunk))
         if kind == "F":
             self.saved_bytes.append(counted[0])
-            self._live += counted[0]
-            self._in_flight += 1
-            self.peak_saved = max(self.peak_saved, self._live)
-            self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
-        elif kind == "B":  # backward freed what micro-batch mb saved
-            self._live -= self.saved_bytes[mb]
-            self._in_flight -= 1
 
 
 # ------------------------------------------------------------------ the formulas
@@ -92,9 +102,35 @@ def bubble_formula(p: int, m: int) -> float:
     return (p - 1) / (m + p - 1)
 
 
-def in_flight_formula(schedule: str, p: int, stage: int, m: int) -> int:
-    """Micro-batches whose activations stage `stage` holds at once, at most."""
-    return m if schedule == "gpipe" else min(p - stage, m)
+def in_flight_formula(schedule: str, p: int, stage: int, m: int, v: int = 1) -> int:
+    """Micro-batches whose activations stage `stage` holds at once, at most; for interleaved
+    1F1B, (chunk, micro-batch) pairs, each a v-th of the stage's blocks. Read off each order:
+    1F1B holds its warm-up plus one; interleaved its longer warm-up, (v - 1) p + 2 (p - 1 -
+    stage), plus one; ZB-H1 holds a micro-batch until its W, and stage s defers s of them past
+    its p - 1 - s warm-up, so every stage holds p."""
+    if schedule == "gpipe":
+        return m
+    if schedule == "interleaved":
+        return min((v - 1) * p + 2 * (p - 1 - stage) + 1, v * m)
+    return min(p, m) if schedule == "zb-h1" else min(p - stage, m)
+
+
+def interleaved_bubble_formula(p: int, m: int, v: int) -> float:
+    """Interleaved 1F1B's idle share of a step, (p - 1) / (v m + p - 1): the pipe fills and
+    drains through chunks a v-th of a stage long, so the p - 1 hops cost (p - 1)(F + B) / v
+    of the m (F + B) + (p - 1)(F + B) / v the step lasts. Megatron states it relative to the
+    work, idle / work = (p - 1) / (v m). Exact on the ideal timeline when p divides m."""
+    return (p - 1) / (v * m + p - 1)
+
+
+def zb_h1_idle(p: int, m: int, F=1, B=1, W=1):
+    """Idle time per stage of ZB-H1 on the ideal timeline, with F, B and W the forward, input-
+    and weight-gradient times: (p - 1)(F + B - min(F, B, W)), the paper's (p - 1)(F + B - W)
+    when W is the shortest; 1F1B's is (p - 1)(F + B + W). Exact for m >= p (checked in the
+    tests); the step lasts m (F + B + W) plus this."""
+    if m < p:
+        raise ValueError(f"the closed form holds from m = p = {p} micro-batches on; got m = {m}")
+    return (p - 1) * (F + B - min(F, B, W))
 
 
 def stage_activation_bytes(cfg: GPTConfig, B: int, T: int, n_blocks: int, first: bool,
@@ -159,28 +195,45 @@ def bubble_fraction(records: list[StepRecord]) -> float:
     return 1.0 - busy / (len(records) * span)
 
 
-def in_flight(order: list[tuple[str, int]]) -> int:
-    """The most micro-batches between their forward and their backward, from a stage's
-    recorded order."""
-    now = most = 0
-    for kind, _ in order:
-        now += 1 if kind == "F" else -1
+def in_flight(order: list[tuple]) -> int:
+    """The most micro-batches between their forward and the end of their backward, from a
+    stage's order: ("F", mb), ... or ("F", chunk, mb), ... (the end: W where there is one)."""
+    return _peak(order, lambda unit: 1)
+
+
+def _peak(order, size) -> int:
+    """The most of `size(unit)` held at once: a unit (an order entry's tail) from its F to
+    its W if the order has one, else its B."""
+    split = {tuple(a[1:]) for a in order if a[0] == "W"}
+    held, now, most = {}, 0, 0
+    for kind, *unit in order:
+        unit = tuple(unit)
+        if kind == "F":
+            held[unit] = size(unit)
+            now += held[unit]
+        elif kind == "W" or unit not in split:
+            now -= held.pop(unit)
         most = max(most, now)
     return most
 
 
 def draw(records: list[StepRecord], width: int = 72) -> str:
     """The timelines as text, one line per stage: micro-batch i's forward the digit i, its
-    backward the i-th letter (both mod 10), "." where the stage waited or talked."""
+    backward the i-th letter, its W (a split backward's weight half) the i-th capital (all mod
+    10), "." where the stage waited or talked; with chunks, a line under each giving each
+    step's chunk."""
     span = max((e.end for r in records for e in r.events), default=0.0) or 1.0
+    chunked = any(e.chunk for r in records for e in r.events)
     lines = []
     for r in records:
-        row = ["."] * width
+        row, chunks = ["."] * width, [" "] * width
         for e in r.events:
             if e.kind in COMPUTE:
                 a, b = int(e.start / span * width), max(int(e.end / span * width), int(e.start / span * width) + 1)
-                mark = str(e.mb % 10) if e.kind == "F" else "abcdefghij"[e.mb % 10]
+                mark = {"F": "0123456789", "B": "abcdefghij", "W": "ABCDEFGHIJ"}[e.kind][e.mb % 10]
                 for i in range(a, min(b, width)):
-                    row[i] = mark
+                    row[i], chunks[i] = mark, str(e.chunk % 10)
         lines.append(f"stage {r.stage}: " + "".join(row))
+        if chunked:
+            lines.append("  chunk: " + "".join(chunks).rstrip())
     return "\n".join(lines)
