@@ -42,8 +42,8 @@ def count_bytes():
     _counters.append(c)
     try:
         yield c
-    finally:
-        _counters.remove(c)
+    finally:  # by identity: list.remove compares Counters by value, and two may be equal
+        del _counters[next(i for i, o in enumerate(_counters) if o is c)]
 
 
 def _isend(t: torch.Tensor, dst: int, name: str):

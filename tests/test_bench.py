@@ -13,13 +13,13 @@ from minidist import cost_model as cm
 from minidist.bench import collectives, zero
 from conftest import run
 
-# The six benchmarks that start processes, each as a user runs it (--quick); the tests
+# The seven benchmarks that start processes, each as a user runs it (--quick); the tests
 # below read their outputs
 QUICK = {"collectives": [], "muon": ["--world-sizes", "2"], "zero": ["--world-sizes", "2"],
-         "tp": ["--world-sizes", "2"], "pp": [], "cp": []}
+         "tp": ["--world-sizes", "2"], "pp": [], "cp": [], "ep": []}
 
 
-# One process runs the five short ones in a row, through the command's own entry
+# One process runs the six short ones in a row, through the command's own entry
 # (minidist.bench.__main__.main, with the arguments a user types): each separate process
 # would spend seconds importing torch and matplotlib and starting its fork server first.
 _IN_A_ROW = """
@@ -44,13 +44,13 @@ for name, argv, log in json.loads(sys.argv[1]):
 def bench(tmp_path_factory):
     """{name: (its outcome: returncode, stdout, stderr; its --out folder)}: the muon
     benchmark, the longest, as a user starts it (`python -m minidist.bench muon --quick`),
-    while one other process runs the five others in a row (none of these tests asserts a
+    while one other process runs the six others in a row (none of these tests asserts a
     speed)."""
     import concurrent.futures
     from types import SimpleNamespace
     outs = {name: tmp_path_factory.mktemp(name) for name in QUICK}
     rest = [[name, [name, "--quick", *QUICK[name], "--out", str(outs[name])], str(outs[name] / "log.json")]
-            for name in ("collectives", "zero", "tp", "pp", "cp")]
+            for name in ("collectives", "zero", "tp", "pp", "cp", "ep")]
 
     def alone():
         return run([sys.executable, "-m", "minidist.bench", "muon", "--quick", *QUICK["muon"],
@@ -231,6 +231,51 @@ def test_cp_benchmark_quick(bench):
     assert (tmp_path / "cp.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_ep_benchmark_quick(bench):
+    """Chapter 13's benchmark, quick (ep 2 and 4, one MoE layer, dropless and capacity 1): on
+    every rank, what each all-to-all sent (comm.count_bytes) equals ep_model.a2a_bytes of the
+    choices one process's routing keeps, computed here, and nothing else was sent; the rows go
+    out and come back (what all ranks dispatch, all combine), backward resends both, a capacity
+    sends no more than dropless; the output equals one process's. Training: every choice is
+    counted, both runs start alike; the drops are never fewer than the pigeonhole's."""
+    from minidist.bench import ep_model
+    from minidist.experts import capacity
+    r, tmp_path = bench["ep"]
+    assert r.returncode == 0, r.stderr
+    result = json.loads((tmp_path / "ep.json").read_text())
+    rows, C = result["bytes"], result["layer"]["C"]
+    assert {(row["ep"], row["capacity"], row["rank"]) for row in rows} == \
+        {(n, f, rank) for n in (2, 4) for f in (0.0, 1.0) for rank in range(n)}
+    for row in rows:
+        sent = {k: row[k] for k in ("counts", "dispatch", "combine", "backward")}
+        assert sent == ep_model.a2a_bytes(row["kept"], C)[row["rank"]] and row["total"] == sum(sent.values())
+        assert row["backward"] == row["dispatch"] + row["combine"] > 0 and row["err"] <= 1e-5
+    for n in (2, 4):
+        mine = {f: [row for row in rows if row["ep"] == n and row["capacity"] == f] for f in (0.0, 1.0)}
+        for f, case in mine.items():
+            assert sum(row["dispatch"] for row in case) == sum(row["combine"] for row in case)
+        assert sum(row["dispatch"] for row in mine[1.0]) <= sum(row["dispatch"] for row in mine[0.0])
+    assert result["bytes_equal_formula"] is True and result["outputs_within_tolerance"] is True
+    for row in result["step"]:
+        assert row["ratio"] > 0 and 1 < row["predicted"] < 1.1  # NVLink: ep costs a few per cent
+    assert all(row["vs_one_gpu"] >= 1 and row["over_nvlink"] == (row["ep"] <= 8) for row in result["at_scale"])
+    t, training = result["train"], result["training"]
+    runs = training["runs"]
+    assert [one["aux"] for one in runs] == [t["aux"], 0.0] and runs[0]["start"] == runs[1]["start"]
+    for one in runs:  # every choice of every step counted, once
+        assert len(one["tokens"]) == t["steps"]
+        assert all(sum(layer) == t["batch"] * t["seq"] * t["k"] for step in one["tokens"] for layer in step)
+        assert one["start"] == [ep_model.balance(layer) for layer in one["tokens"][0]]
+    N = t["val_batch"] * t["seq"]
+    for d in training["drops"]:
+        slots = capacity(N, t["E"], t["k"], d["capacity"])
+        assert d["slots"] == slots and d["fewest"] == (0 if slots is None else max(0, N * t["k"] - t["E"] * slots))
+        for one in runs:
+            dropped = d[f"aux {one['aux']:g}"]
+            assert all(d["fewest"] <= x <= N * t["k"] for x in dropped) and (slots or sum(dropped) == 0)
+    assert (tmp_path / "ep.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def _out_with(name, make):
     """An --out folder (of tmp_path) where `make` put something odd at `name`."""
     def out(tmp_path):
@@ -248,6 +293,7 @@ BAD_ARGUMENTS = [  # argv ({file}: a file; a function: of tmp_path), what the on
     (["tp", "--world-sizes", "3"], "tp splits an MLP of 512 columns over all the ranks: give world sizes that divide"),
     (["ddp", "--world-sizes", "4"], "argument --world-sizes: ddp would ignore it (it runs 2 ranks)"),
     (["cp", "--world-sizes", "4"], "argument --world-sizes: cp would ignore it (it runs its own cp sizes)"),
+    (["ep", "--world-sizes", "4"], "argument --world-sizes: ep would ignore it (it runs its own ep sizes)"),
     (["collectives", "--quick", "--world-sizes", "4"], "collectives --quick times 2 ranks only"),
     (["zero", "--ops", "all_gather"], "argument --ops: only collectives times --ops (zero would ignore it)"),
     (["collectives", "--ops", "all_gather", "all_gather"], "argument --ops: all_gather given twice"),

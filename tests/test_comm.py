@@ -181,3 +181,14 @@ def _bad_args():
 
 def test_bad_arguments_are_clear_errors():
     assert [r["bad_args"] for r in _results(2)] == [True, True]
+
+
+def test_byte_counters_nest_even_when_their_counts_are_equal():
+    """An inner context that closes with the same (empty) count as the outer one removes
+    itself, not the outer: both close cleanly, and a new one counts from zero."""
+    with comm.count_bytes() as outer:
+        with comm.count_bytes() as inner:
+            pass
+        assert inner == outer == {}
+        assert [c for c in comm._counters if c is outer] and not [c for c in comm._counters if c is inner]
+    assert not comm._counters

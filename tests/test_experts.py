@@ -35,7 +35,7 @@ B, T = 2, 8  # each rank's rows
 # ------------------------------------------------------------------ one process
 
 def _loop(moe: MoE, x: torch.Tensor) -> torch.Tensor:
-    """The MoE written token by token: softmax, top-k, renormalise, each expert taking the
+    """The MoE written token by token: softmax, top-k, renormalised (at k > 1), each expert taking the
     first `cap` choices of it in token order, the gate-weighted sum of what was kept."""
     h = x.reshape(-1, x.shape[-1])
     E, k, n = moe.n_experts, moe.top_k, h.shape[0]
@@ -45,7 +45,7 @@ def _loop(moe: MoE, x: torch.Tensor) -> torch.Tensor:
         p = F.softmax(moe.router(h[t]).float(), dim=-1)
         top = p.topk(k)
         out = torch.zeros_like(h[t])
-        for g, e in zip(top.values / top.values.sum(), top.indices.tolist()):
+        for g, e in zip(top.values / top.values.sum() if k > 1 else top.values, top.indices.tolist()):
             if taken[e] < cap:
                 out = out + g * moe.experts[str(e)](h[t])
             taken[e] += 1
@@ -72,6 +72,16 @@ def test_the_moe_equals_a_loop_over_tokens(top_k, factor):
         assert moe.stats["dropped"] == 0
     if factor == 0.5:  # 2 slots x 4 experts for 12 choices
         assert moe.stats["dropped"] >= 4
+
+
+def test_the_router_learns_from_the_loss_at_top_1_and_top_2():
+    """At top-1 the gate is the router's probability (a renormalised one would be 1 and the
+    router would get no gradient from anything but the balance loss)."""
+    for k in (1, 2):
+        torch.manual_seed(0)
+        moe = MoE(16, 4, k, hidden=24)
+        moe(torch.randn(2, 6, 16)).square().sum().backward()
+        assert moe.router.weight.grad.norm() > 1e-2
 
 
 def test_the_moe_under_bf16_autocast_stays_near_fp32():

@@ -8,8 +8,6 @@ its output captured (capped) and its verdict sent back as one JSON line. Whateve
 started goes with it: a signal that stops the grading process kills the child first.
 """
 
-from __future__ import annotations
-
 import contextlib
 import importlib.util
 import json
@@ -20,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 OUTPUT_CAP = 20_000  # characters of the learner's output kept per check
@@ -57,27 +56,20 @@ def _attr(path: str, module: str, name: str, digest: str):
         raise ImportError(f"{os.path.basename(path)} has no {name}") from None
 
 
+@dataclass(frozen=True)
 class LearnerRef:
     """One name of the learner's file, by reference. Equal references (same file content,
     same name) are equal, so results cached per implementation are shared."""
-
-    __slots__ = ("path", "module", "name", "digest")
-
-    def __init__(self, path: str, module: str, name: str, digest: str):
-        for k, v in zip(self.__slots__, (path, module, name, digest)):
-            object.__setattr__(self, k, v)
+    path: str
+    module: str
+    name: str
+    digest: str
 
     def _key(self):
         return self.path, self.module, self.name, self.digest
 
     def __reduce__(self):
         return _attr, self._key()
-
-    def __eq__(self, other):
-        return isinstance(other, LearnerRef) and self._key() == other._key()
-
-    def __hash__(self):
-        return hash(self._key())
 
     def __repr__(self):
         return f"<{self.name} of {os.path.basename(self.path)}>"
@@ -231,7 +223,10 @@ def run_apart(run, check_name: str, impl: SimpleNamespace, limit_s: float) -> tu
         except OSError:
             pass
         _CHILDREN.discard(pid)
-    printed = _capped(out)
+    size, _ = out.seek(0, os.SEEK_END), out.seek(0)  # what the learner's code printed, capped
+    printed = out.read(OUTPUT_CAP).decode(errors="replace") + (
+        f"\n... ({size - OUTPUT_CAP} more bytes of output cut)" if size > OUTPUT_CAP else "")
+    out.close()
     if stopped:
         return False, (f"'{check_name}' was still running after {limit_s:.0f}s and was "
                        "stopped (an endless loop, or far too slow)"), printed
@@ -247,31 +242,3 @@ def run_apart(run, check_name: str, impl: SimpleNamespace, limit_s: float) -> tu
         return False, (f"the process running your code for '{check_name}' {why} before the "
                        "check finished"), printed
     return ok, msg, printed
-
-
-def _capped(out) -> str:
-    size = out.seek(0, os.SEEK_END)
-    out.seek(0)
-    text = out.read(OUTPUT_CAP).decode(errors="replace")
-    out.close()
-    if size > OUTPUT_CAP:
-        text += f"\n... ({size - OUTPUT_CAP} more bytes of output cut)"
-    return text
-
-
-def preflight(probe, *fns, limit_s: float = 30.0):
-    """probe(*fns) -> a stub's hint (str) or None, run where the learner's code may run:
-    here for the grader's and minidist's functions, in a child for LearnerRefs."""
-    if not any(isinstance(f, LearnerRef) for f in fns):
-        return probe(*fns)
-    ns = SimpleNamespace(**{f"f{i}": f for i, f in enumerate(fns)})
-
-    def run(real):
-        hint = probe(*(getattr(real, f"f{i}") for i in range(len(fns))))
-        return True, json.dumps(hint if isinstance(hint, str) else None)
-    ok, msg, _ = run_apart(run, "a first call of your code", ns, limit_s)
-    try:
-        hint = json.loads(msg) if ok else None
-    except ValueError:
-        return None
-    return hint if isinstance(hint, str) else None

@@ -4,8 +4,6 @@ Each check builds its oracle here: a real GPT whose parameters are counted by id
 FLOP count measured by torch's FlopCounterMode, a formula written out independently.
 """
 
-from __future__ import annotations
-
 import torch
 
 from exercises.grader import Rules, check

@@ -5,8 +5,6 @@ all_reduce and all_gather on the same data; what the code under test sent, to wh
 many bytes, is read from events(). A ring that deadlocks is ended by gloo's timeout.
 """
 
-from __future__ import annotations
-
 from collections import Counter
 
 import torch

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
 from torch.utils import flop_counter
 
-from exercises.grader import Cache, Rules, check, events, per_world_size, run_all
+from exercises.grader import Cache, Rules, check, differ, events, first_problem, per_world_size, run_all
 from exercises.grader.rules import METHODS
 
 _ORACLE = "exercise 07 writes Newton-Schulz and Muon: torch's are the grader's oracles"
@@ -40,10 +40,7 @@ def _form(what, O, shape, dtype=None):  # O, once it is a finite tensor of `shap
     return O
 
 
-def _flops(do):  # do()'s result, and its FLOPs of matrix products (FlopCounterMode, no torch._dynamo import)
-    raw = getattr(flop_counter._FlopCounterMode.__torch_dispatch__, "__wrapped__", None)
-    if callable(raw) and not hasattr(raw, "__dynamo_disable"):
-        setattr(raw, "__dynamo_disable", raw)
+def _flops(do):  # do()'s result, and its FLOPs of matrix products (torch's FlopCounterMode)
     with flop_counter.FlopCounterMode(display=False) as counter:
         return do(), counter.get_total_flops()
 
@@ -226,9 +223,8 @@ def _ownership(impl):
         for i, want in _oracle(frozenset())[1].items():
             keep = [r for r, res in enumerate(per_rank) if i in res["momentum"]]
             assert len(keep) == 1, f"on {n} ranks, matrix {i}'s momentum_buffer is on ranks {keep}, want one"
-            got = per_rank[keep[0]]["momentum"][i]
-            assert torch.equal(got, want), (f"on {n} ranks, rank {keep[0]}: matrix {i}'s momentum_buffer is "
-                                            f"up to {(got - want).abs().max():.3g} from torch.optim.Muon's")
+            first_problem([differ(f"on {n} ranks, rank {keep[0]}: matrix {i}'s momentum_buffer",
+                                  per_rank[keep[0]]["momentum"][i], want, "torch.optim.Muon's", 0, 0)])
         share = sum(sizes) / n + max(sizes)  # elements: 1/N of them, and padding to the largest
         for r, res in enumerate(per_rank):
             assert res["held"] <= 4 * share, (f"on {n} ranks, rank {r}'s optimizer state holds {res['held']} "

@@ -7,15 +7,11 @@ where it is (memory.py): the autograd graph behind its output, and every tensor 
 during the call and still alive (parameters, output and generator states left out).
 """
 
-from __future__ import annotations
-
 import gc
 
 import torch
-# torch.autograd.grad imports it on its first call: here once, not in each check's child
-import torch.fx.experimental.symbolic_shapes  # noqa: F401
 
-from exercises.grader import Rules, check
+from exercises.grader import Rules, check, differ, first_problem
 from exercises.grader import memory as M
 from minidist.model import GPT, GPTConfig
 
@@ -48,13 +44,8 @@ def _compare(impl, dropout: float = 0.0, bf16: bool = False, what: str = "") -> 
     model = _model(dropout)
     got, rng_got = _grads(model, impl.checkpoint, bf16)
     want, rng_want = _grads(model, None, bf16)
-    for name, w in want.items():
-        assert got[name] is not None, \
-            f"{name}{what} got no gradient (the run without checkpointing gives it one)"
-        if not torch.equal(w, got[name]):
-            diff = (w - got[name]).abs().max().item()
-            raise AssertionError(f"{name}'s gradient{what} differs from the run without checkpointing "
-                                 f"by up to {diff:.3g} (max |grad| {w.abs().max().item():.3g})")
+    first_problem(differ(f"{name}'s gradient{what}", got[name], w, "the run without checkpointing's", 0, 0)
+                  for name, w in want.items())  # bit for bit
     assert torch.equal(rng_want, rng_got), (
         f"the random numbers drawn after the step{what} differ from those drawn after the run "
         f"without checkpointing: {rng_got.tolist()} instead of {rng_want.tolist()}")

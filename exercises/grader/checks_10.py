@@ -5,9 +5,6 @@ oracle (F.cross_entropy of the full logits; the block in one process) beside the
 test. (b) runs in one process: attention on every rank's shard, c_proj's partial outputs summed.
 """
 
-from __future__ import annotations
-
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -16,7 +13,7 @@ import torch.nn.functional as F
 import minidist.tensor_parallel.cost
 import minidist.tensor_parallel.gpt
 import minidist.tensor_parallel.layers
-from exercises.grader import Cache, Rules, check, events, first_problem, per_world_size, run_all
+from exercises.grader import Cache, Rules, check, differ, events, first_problem, per_world_size, run_all
 
 WORLD_SIZES = (2, 3)
 TIMEOUT_S = 20.0  # a rank that waits this long for the others is hung
@@ -48,22 +45,6 @@ RULES = Rules(
 def _randn(seed: int, *shape) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
-
-def _differ(what: str, got, want: torch.Tensor, versus: str = "one process's") -> str | None:
-    """None when got equals want to fp32 rounding, else by how much and where it differs."""
-    if not isinstance(got, torch.Tensor):
-        return f"{what} is {'None' if got is None else 'a ' + type(got).__name__}, want a tensor"
-    if got.shape != want.shape:
-        return f"{what} has shape {tuple(got.shape)}, want {tuple(want.shape)}"
-    got, want = got.detach().float(), want.detach().float()
-    err = (got - want).abs()
-    bad = ~(err <= ATOL + RTOL * want.abs())  # nan is bad
-    if not bad.any():
-        return None
-    i = int(torch.where(bad, err.nan_to_num(float("inf")), -1.0).flatten().argmax())
-    at = tuple(int(k) for k in torch.unravel_index(torch.tensor(i), want.shape))
-    return (f"{what} differs from {versus} by up to {err.max().item():.3g} ({f'at {list(at)}: ' if at else ''}"
-            f"got {got[at].item():.6g}, want {want[at].item():.6g})")
 
 
 _WORDS = {"all_reduce": "all-reduce", "all_gather": "all-gather", "all_gather_into_tensor": "all-gather",
@@ -107,10 +88,10 @@ def _ce_part(fns: dict, r: int, n: int) -> list:
         where = (f"rank {r}, V={V}{f', logits around {shift:g}' if shift else ''} (this rank's "
                  f"ids {mine.start}:{mine.stop})")
         ok = isinstance(loss, torch.Tensor) and loss.numel() == 1
-        problem = _differ("the loss", loss.reshape(()) if ok else loss, want)
+        problem = differ("the loss", loss.reshape(()) if ok else loss, want)
         if ok and loss.requires_grad:  # every rank alike: a backward with collectives must not hang
             (GRAD_OUT * loss.reshape(())).backward()
-            problem = problem or _differ(f"logits.grad after ({GRAD_OUT:g} * loss).backward()",
+            problem = problem or differ(f"logits.grad after ({GRAD_OUT:g} * loss).backward()",
                                          logits.grad, ref.grad[..., mine])
         elif ok:
             problem = problem or "the loss does not require grad: backward cannot reach the logits"
@@ -146,12 +127,12 @@ def _sp_grad_part(fns: dict, r: int, n: int) -> dict:
     ev = events()
     y = fns["sequence_parallel_mlp"](x, a, b, dist.group.WORLD, 0.0)
     k = len(ev)
-    problems = [_differ("the output (this rank's positions)", y, want[:, pos])]
+    problems = [differ("the output (this rank's positions)", y, want[:, pos])]
     if isinstance(y, torch.Tensor) and y.shape == want[:, pos].shape and y.requires_grad:
         y.backward(gy[:, pos])
-        problems += [_differ("x.grad", x.grad, xo.grad[:, pos]),
-                     _differ("w_fc.grad", a.grad, ao.grad[hid]),
-                     _differ("w_proj.grad", b.grad, bo.grad[:, hid])]
+        problems += [differ("x.grad", x.grad, xo.grad[:, pos]),
+                     differ("w_fc.grad", a.grad, ao.grad[hid]),
+                     differ("w_proj.grad", b.grad, bo.grad[:, hid])]
     return {"problem": "; ".join(p for p in problems if p) or None,
             "fwd": _moved(ev[:k]), "bwd": _moved(ev[k:])}
 
@@ -254,10 +235,10 @@ def _qkv(impl):
                         f"qkv_shard(c_attn with bias={bias}, rank={r}, world_size={t}): the {what} is "
                         f"{tuple(got.shape) if isinstance(got, torch.Tensor) else got}, want {shape}")
                 cols, mine = _block(Cq, r, t), _attention(F.linear(x, w, b), H // t)
-                wrong.append(_differ(f"the output of rank {r}'s heads {r * H // t}-{(r + 1) * H // t - 1}",
+                wrong.append(differ(f"the output of rank {r}'s heads {r * H // t}-{(r + 1) * H // t - 1}",
                                      mine, heads[..., cols], "the full attention's"))
                 total = total + F.linear(mine, c_proj.weight[:, cols])
-            problem = _differ(f"c_attn bias={bias}, on {t} ranks: the attention output summed over the ranks",
+            problem = differ(f"c_attn bias={bias}, on {t} ranks: the attention output summed over the ranks",
                               total + (c_proj.bias if bias else 0), want, "the full attention's")
             assert not problem, "; ".join([problem, *filter(None, wrong)])
 
@@ -324,8 +305,7 @@ def _sp_dropout(impl):
 
 
 # ---- the answer key, `python -m exercises.grade 10 --reference`: minidist's own, in the exercise's signatures
-def reference_vocab_parallel_cross_entropy(logits, targets, start, group):
-    return minidist.tensor_parallel.gpt.vocab_parallel_cross_entropy(logits, targets, start, group)
+reference_vocab_parallel_cross_entropy = minidist.tensor_parallel.gpt.vocab_parallel_cross_entropy
 
 
 def reference_qkv_shard(weight, bias, n_head, rank, world_size):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import minidist.pipeline.schedules as _pp
-from exercises.grader import Cache, Rules, check, close, first_problem, per_world_size, run_all
+from exercises.grader import Cache, Rules, check, close, differ, first_problem, per_world_size, run_all
 from exercises.grader.rules import RuleBroken, current
 from minidist.model import GPT, GPTConfig
 
@@ -208,12 +208,8 @@ class _Run:
         want, grads = _oracle(self.m)
         owned = _owned(self.stages, self.stage)
         mine = {n: q.grad for n, q in self.model.named_parameters() if n.startswith(owned)}
-        params, detail = [n for n, g in mine.items() if g is None or not close(g, want[n], RTOL, ATOL)], ""
-        if params:
-            w, g = want[params[0]].reshape(-1), mine[params[0]]
-            g = torch.zeros_like(w) if g is None else g.reshape(-1)
-            k = int((g - w).abs().argmax())
-            detail = f"{params[0]}[{k}] is {g[k].item():.6g}, want {w[k].item():.6g}"
+        params = [n for n, g in mine.items() if g is None or not close(g, want[n], RTOL, ATOL)]
+        detail = differ(params[0], mine[params[0]], want[params[0]], "the oracle's", RTOL, ATOL) if params else ""
         above = _layers(self.stages, self.stage)[0] - 1  # the block whose output is its input
         return {"params": params, "of": len(mine), "detail": detail,
                 "grads": [i for i, g in self.grads.items() if not close(g, grads[above][i], RTOL, ATOL)]}

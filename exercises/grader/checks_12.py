@@ -5,9 +5,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from exercises.grader import Rules, check, events, first_problem, per_world_size, run_all
+from exercises.grader import Rules, check, differ, events, first_problem, per_world_size, run_all
 from exercises.grader.checks_02 import _direction
-from exercises.grader.checks_10 import _differ, _randn
+from exercises.grader.checks_10 import _randn
 from minidist.context_parallel.layout import positions
 
 WORLD_SIZES, TIMEOUT_S, T = (2, 3), 20.0, 12  # 12 tokens: N or 2N chunks at N = 2, 3
@@ -46,8 +46,8 @@ def _merge(impl):
             got = impl.merge(*_partial(q, k, v, a), *_partial(q, k, v, b))
             where = f"merging the attention over {len(a)} keys into the one over {len(b)} (scores up to {top:.0f})"
             assert isinstance(got, tuple) and len(got) == 2, f"{where}: got a {type(got).__name__}, want (out, lse)"
-            first_problem([_differ(f"{where}: out", got[0], want, "SDPA's over all 10 keys"),
-                           _differ(f"{where}: lse", got[1], lse, "torch.logsumexp's over all 10 keys")])
+            first_problem([differ(f"{where}: out", got[0], want, "SDPA's over all 10 keys"),
+                           differ(f"{where}: lse", got[1], lse, "torch.logsumexp's over all 10 keys")])
 
 
 def _ring_part(fns: dict, r: int, n: int) -> list:
@@ -57,7 +57,7 @@ def _ring_part(fns: dict, r: int, n: int) -> list:
         got = fns["ring_attention"](*(x[:, :, mine].clone() for x in (q, k, v)), dist.group.WORLD, causal, layout)
         call, most = f"ring_attention(causal={causal}, layout={layout!r})", (n - 1) * 2 * k.nbytes // n
         where, sent = f"on {n} ranks, rank {r}, {call} (positions {mine.tolist()})", sum(e.sent for e in events()[k0:])
-        problems.append(_differ(f"{where}: the output", got, F.scaled_dot_product_attention(
+        problems.append(differ(f"{where}: the output", got, F.scaled_dot_product_attention(
             q, k, v, is_causal=causal)[:, :, mine], "SDPA's on the whole sequence") or _direction(call, k0, r, n) or (
             None if sent <= most else f"{where}: it sent {sent} bytes, want at most {most} (N-1 blocks of K, V)"))
     return problems
@@ -87,7 +87,7 @@ def _draft(impl):
     want, wrong, right = F.scaled_dot_product_attention(q, k, v, is_causal=True), [], []
     for n, r in ((n, r) for n in (2, 3, 4) for r in range(n)):
         mine = positions(24, r, n, "zigzag")
-        p = _differ(f"on {n} ranks, rank {r}: the output", impl.draft_zigzag_attention(q[:, :, mine], k, v, r, n),
+        p = differ(f"on {n} ranks, rank {r}: the output", impl.draft_zigzag_attention(q[:, :, mine], k, v, r, n),
                     want[:, :, mine], "SDPA's causal attention on the whole sequence")
         (wrong if p else right).append(p or f"rank {r} of {n}")
     assert not wrong, f"{wrong[0]}; right on {', '.join(right) or 'none'} of the 9 cases"

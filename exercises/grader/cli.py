@@ -6,8 +6,6 @@ failing check (`--hint K` its K-th), counted in $XDG_CACHE_HOME/minidist/hints.j
 whatever the score; bad arguments exit 2.
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import os
@@ -78,22 +76,18 @@ def hint_state_path() -> Path:
 
 
 def _load_state() -> tuple[dict, str]:
-    """(the hint counts, a message when the file was damaged and is reset)."""
+    """(the hint counts, a message when the file was unreadable or damaged and is reset)."""
     path = hint_state_path()
     try:
-        text = path.read_text()
-    except FileNotFoundError:  # none yet
-        return {}, ""
-    except (OSError, ValueError) as e:  # unreadable (a folder, no permission, not text)
-        return {}, f"(the hint state {path} could not be read ({type(e).__name__}); counting hints from 1 again)"
-    try:
-        state = json.loads(text)
-        if not isinstance(state, dict) or not all(isinstance(k, str) and type(v) is int
-                                                  for k, v in state.items()):
+        state = json.loads(path.read_text())
+        if not isinstance(state, dict) or not all(isinstance(k, str) and type(v) is int for k, v in state.items()):
             raise ValueError("not a table of counts")
         return state, ""
-    except ValueError:
-        return {}, f"(the hint state {path} was damaged and is reset; counting hints from 1 again)"
+    except FileNotFoundError:  # none yet
+        return {}, ""
+    except (OSError, ValueError) as e:  # a folder, no permission, not text, not JSON, not a table of counts
+        return {}, (f"(the hint state {path} ({type(e).__name__}) was unreadable or damaged and is reset; "
+                    "counting hints from 1 again)")
 
 
 def hint(result: Result, k: int | None = None) -> str:

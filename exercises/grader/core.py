@@ -7,14 +7,11 @@ the implementation (one attribute per REFERENCE name), runs it, compares what it
 oracle and raises AssertionError saying what differs, under the module's `RULES`.
 """
 
-from __future__ import annotations
-
 import ast
 import hashlib
 import importlib
 import os
 import re
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -22,7 +19,7 @@ from types import SimpleNamespace
 from typing import Callable
 
 from exercises.grader import apart
-from exercises.grader.rules import Rules, watch
+from exercises.grader.rules import Rules, forbid, watch  # forbid: by way of rules, which it imports
 
 EXERCISES = Path(__file__).resolve().parent.parent
 
@@ -76,11 +73,7 @@ def rules_of(nn: str, c: Check | None = None, reference: bool = False) -> Rules 
 
 
 def resolve(target: str):
-    module, _, attr = target.partition(":")
-    obj = importlib.import_module(module)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return getattr(*forbid.resolve(target))
 
 
 def learner_file(nn: str) -> Path:
@@ -192,6 +185,5 @@ def grade(nn: str, reference: bool = False, path: Path | str | None = None,
 
 
 def hints_of(nn: str, c: Check) -> list[str]:
-    """The hints of check `c`: its own, else checks_NN.py's HINTS entry by function name."""
-    table = getattr(sys.modules.get(f"exercises.grader.checks_{nn}"), "HINTS", {}) or {}
-    return c.hints or list(table.get(c.fn.__name__) or table.get(c.name) or [])
+    """The hints of check `c` (the tiers registered with it)."""
+    return c.hints

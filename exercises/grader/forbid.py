@@ -4,8 +4,6 @@ called, under any name it was imported by; a module not imported yet is watched 
 import (an import hook), not imported only to be watched (DTensor's costs a second).
 """
 
-from __future__ import annotations
-
 import functools
 import importlib
 import importlib.util
@@ -55,7 +53,8 @@ class _Later:
         return spec
 
 
-def _resolve(target: str):
+def resolve(target: str):
+    """(owner, name) of "module:name" or "module:Class.name" (the grader's way of naming a thing)."""
     module, _, path = target.partition(":")
     owner = importlib.import_module(module)
     *outer, name = path.split(".")
@@ -79,7 +78,7 @@ def _install(target: str) -> None:
     """Make `target` (a class or function, see Rules) note itself when called in a watch."""
     if target in _DONE:
         return
-    owner, name = _resolve(target)
+    owner, name = resolve(target)
     obj = getattr(owner, name)
     if isinstance(obj, type):  # a class: judged where it is constructed, subclasses too
         slot = "__new__" if "__new__" in vars(obj) and "__init__" not in vars(obj) else "__init__"

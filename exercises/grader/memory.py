@@ -6,8 +6,6 @@ the autograd graph behind `output` holds for backward; `born_during()`: the tens
 inside a block and still alive after it. Sizes are of storages, by the storage's address.
 """
 
-from __future__ import annotations
-
 import functools
 import gc
 import sys

@@ -10,14 +10,13 @@ a wait on a message that never comes, a watchdog a rank stuck in Python. A part 
 at one world size is not run at the next.
 """
 
-from __future__ import annotations
-
 import _thread
 import os
 import pickle
 import tempfile
 import threading
 
+import torch
 import torch.distributed as dist
 
 from exercises.grader.rules import current, watch
@@ -227,6 +226,25 @@ def per_world_size(results: dict, part: str, world_sizes):
 def close(got, want, rtol: float = 1e-5, atol: float = 1e-6) -> bool:
     """got equals want to float32 rounding (the same sums in another order), shape included."""
     return got.shape == want.shape and bool(((got - want).abs() <= atol + rtol * want.abs()).all())
+
+
+def differ(what: str, got, want: torch.Tensor, versus: str = "one process's", rtol: float = 1e-5,
+           atol: float = 1e-5) -> str | None:
+    """None when got equals want to fp32 rounding (values of order 1: the same sums, grouped
+    differently), else by how much and where it differs."""
+    if not isinstance(got, torch.Tensor):
+        return f"{what} is {'None' if got is None else 'a ' + type(got).__name__}, want a tensor"
+    if got.shape != want.shape:
+        return f"{what} has shape {tuple(got.shape)}, want {tuple(want.shape)}"
+    got, want = got.detach().double(), want.detach().double()  # exact for every float dtype
+    err = (got - want).abs()
+    bad = ~(err <= atol + rtol * want.abs())  # nan is bad
+    if not bad.any():
+        return None
+    i = int(torch.where(bad, err.nan_to_num(float("inf")), -1.0).flatten().argmax())
+    at = tuple(int(k) for k in torch.unravel_index(torch.tensor(i), want.shape))
+    return (f"{what} differs from {versus} by up to {err.max().item():.3g} ({f'at {list(at)}: ' if at else ''}"
+            f"got {got[at].item():.6g}, want {want[at].item():.6g})")
 
 
 def first_problem(problems) -> None:

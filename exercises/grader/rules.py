@@ -11,12 +11,8 @@ build is the answer).
 
 Whose call it is: the first frame on the stack outside torch and the standard library. A
 call the grader's own files make (their oracle) is neither recorded nor judged; one from
-the learner's file, or from minidist's code it calls, is both. This is feedback for a
-learner who reaches, usually by accident, for the very thing the exercise builds, not a
-sandbox: code that goes out of its way to hide a call is not what it is for.
+the learner's file, or from minidist's code it calls, is both (feedback, not a sandbox).
 """
-
-from __future__ import annotations
 
 import functools
 import os
@@ -47,7 +43,6 @@ METHODS = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce_coalesc
            "broadcast": "broadcast", "reduce": "reduce", "gather": "gather",
            "scatter": "scatter", "barrier": "barrier", "monitored_barrier": "monitored_barrier",
            "send": "send", "recv": "recv", "recv_anysource": "recv"}
-P2P = frozenset({"send", "recv", "isend", "irecv"})  # names a rule may allow for messages
 
 
 @dataclass(frozen=True)

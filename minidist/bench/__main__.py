@@ -4,7 +4,7 @@ Chapter 08 (chapters/08_at_scale.md). Exercised by `python -m minidist.bench sca
 tests/test_bench.py.
 
 Each benchmark (collectives 02, ddp 03, zero 06, muon and muon_zero 07, checksums and scale
-08, tp 10, pp 11, cp 12; each module's docstring says what it measures) compares minidist with
+08, tp 10, pp 11, cp 12, ep 13; each module's docstring says what it measures) compares minidist with
 torch's own implementation in the same run, as ratios: absolute times do not travel between
 machines, ratios measured side by side do. It prints a table and writes NAME.json and
 NAME.png into --out; `all` runs every one, then report.md (minidist/bench/report.py).
@@ -24,14 +24,16 @@ from pathlib import Path
 
 from minidist.files import kind_of, read_bounded
 from minidist.run.flag_types import number
-from minidist.bench import checksums, collectives, cp, cpu_default, ddp, muon, muon_zero, pp, report, scale, tp, zero
+from minidist.bench import (checksums, collectives, cp, cpu_default, ddp, ep, muon, muon_zero, pp, report, scale,
+                            tp, zero)
 
 
 BENCHMARKS = {"collectives": collectives.run, "ddp": ddp.run, "zero": zero.run, "muon": muon.run,
               "muon_zero": muon_zero.cli, "scale": scale.run, "checksums": checksums.run, "tp": tp.run,
-              "pp": pp.run, "cp": cp.run, "all": lambda args: report.run_all(args, BENCHMARKS)}
+              "pp": pp.run, "cp": cp.run, "ep": ep.run, "all": lambda args: report.run_all(args, BENCHMARKS)}
 # what each benchmark makes of --world-sizes: the ranks it compares; the others pick their own
-# (ddp: 2 ranks, pp: its stage counts, cp: cp 1, 2, 4) or start no processes (scale, checksums)
+# (ddp: 2 ranks, pp: its stage counts, cp: cp 1, 2, 4, ep: ep 1, 2, 4) or start no processes
+# (scale, checksums)
 RANKS = ("collectives", "zero", "muon", "muon_zero", "tp", "all")
 SPLIT_BATCH = ("zero", "tp", "all")  # they split cpu_default's batch over the ranks
 # the files each writes into --out (a name ending in / is a folder)
@@ -53,8 +55,8 @@ def check_options(p, args) -> None:
     if args.ops is not None and name not in ("collectives", "all"):
         p.error(f"argument --ops: only collectives times --ops ({name} would ignore it): drop it")
     if given and name not in RANKS:
-        why = {"ddp": "it runs 2 ranks", "pp": "it runs its own stage counts",
-               "cp": "it runs its own cp sizes"}.get(name, "it starts no processes")
+        why = {"ddp": "it runs 2 ranks", "pp": "it runs its own stage counts", "cp": "it runs its own cp sizes",
+               "ep": "it runs its own ep sizes"}.get(name, "it starts no processes")
         p.error(f"argument --world-sizes: {name} would ignore it ({why}): drop it")
     if given and name == "collectives" and args.quick:
         p.error("argument --world-sizes: collectives --quick times 2 ranks only: drop --world-sizes, or --quick")

@@ -47,7 +47,7 @@ def expert_groups(ep: int) -> tuple:
 
 
 @torch.no_grad()
-def _sum_then_scale(params, group, coef: float) -> None:
+def sum_then_scale(params, group, coef: float) -> None:
     """Each gradient summed over `group` (one flat all-reduce), times `coef`."""
     if not params:
         return
@@ -82,8 +82,8 @@ class ExpertSync(ReplicaSync):
 
     def finish_gradient_synchronization(self) -> None:
         """Call once per step, after the last backward (a second call would reduce again)."""
-        _sum_then_scale(self.shared, None, 1.0 / self.world)
-        _sum_then_scale(self.experts, self.replicas, 1.0 / self.replica_scale)
+        sum_then_scale(self.shared, None, 1.0 / self.world)
+        sum_then_scale(self.experts, self.replicas, 1.0 / self.replica_scale)
         for zero in self.zeros:  # ZeRO-1's shards of the averages (expert_zero)
             zero.finish_gradient_synchronization()
 

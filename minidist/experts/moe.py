@@ -29,10 +29,12 @@ import torch.nn.functional as F
 def route(logits: torch.Tensor, top_k: int):
     """(probs (N, E), gates (N, k), experts (N, k)): the router's softmax over the E experts
     (fp32, whatever the compute dtype), each token's k most probable experts, and their
-    probabilities renormalised to sum to 1 (Mixtral's and Qwen-MoE's form)."""
+    probabilities renormalised to sum to 1 (Mixtral's and Qwen-MoE's form). At k = 1 the
+    gate is the probability itself (Switch Transformer's): one renormalised gate is 1
+    whatever the router says, and the loss would teach the router nothing."""
     probs = logits.float().softmax(dim=-1)
     gates, experts = probs.topk(top_k, dim=-1)
-    return probs, gates / gates.sum(dim=-1, keepdim=True), experts
+    return probs, gates / gates.sum(dim=-1, keepdim=True) if top_k > 1 else gates, experts
 
 
 def capacity(n_tokens: int, n_experts: int, top_k: int, factor: float) -> int | None:
