@@ -255,6 +255,27 @@ def predict(cfg: GPTConfig, strategy: str, n: int, hw: Hardware, micro_batch: in
     return {**step_time(cfg, strategy, n, hw, micro_batch), **memory_per_gpu(cfg, strategy, n, micro_batch)}
 
 
+def grad_sync_cost(cfg: GPTConfig, psi: float, dp: int, tp: int, pp: int, zero: int, m: int, compute: float,
+                   hw: Hardware, bucket_cap_mb: float = 25.0) -> tuple[float, float]:
+    """(bytes sent, exposed seconds) of one step's gradient sync over the dp group of psi
+    fp32 gradients, whose ranks are tp apart (it spans dp x tp consecutive ranks), with
+    `compute` seconds per micro-batch to hide behind (chapter 11's planner, appendix B)."""
+    size, span, f = 4 * psi, dp * tp, (dp - 1) / dp
+    if pp > 1:  # one flat all-reduce after the step; ZeRO-1 then all-gathers the updated shards
+        t = collective_time("all_reduce", size, dp, hw, span)
+        return (2 + zero) * f * size, t + zero * collective_time("all_gather", size, dp, hw, span)
+    fwd, bwd = compute / 3 * hw.overlap, 2 * compute / 3 * hw.overlap  # the last micro-batch's
+    sent = comm_volume(STRATEGIES[zero], psi, dp, elem_bytes=4, accum=m)  # as plan.comm_bytes
+    if zero == 3:  # a gather per block forward and backward, a reduce-scatter, every micro-batch
+        g, r = (collective_time(op, size / cfg.n_layer, dp, hw, span) for op in ("all_gather", "reduce_scatter"))
+        return sent, m * (exposed_time(g, cfg.n_layer, fwd) + exposed_time(g + r, cfg.n_layer, bwd))
+    k = max(1, math.ceil(size / (bucket_cap_mb * 2**20)))  # buckets, as DDP and ZeRO build them
+    op = "all_reduce" if zero == 0 else "reduce_scatter"
+    c = collective_time(op, size / k, dp, hw, span)
+    hidden = exposed_time(c, k, bwd) * (m if zero == 2 else 1)  # ZeRO-2 reduces every micro-batch
+    return sent, hidden + (k * collective_time("all_gather", size / k, dp, hw, span) if zero else 0)
+
+
 # ------------------------------------------------------------ this machine, measured
 
 def hardware_from_fit(fit: dict, n: int, peak_flops: float = 1.0, overlap: float = 0.0) -> Hardware:

@@ -118,7 +118,8 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
     # chapter 12: dp x cp; each replica's cp ranks hold a slice of each of its sequences
     mesh = make_mesh(tp=args.tp, pp=args.pp, cp=args.cp) if max(args.tp, args.pp, args.cp) > 1 else None
     dp, dp_rank, group = (mesh.dp, mesh.dp_rank, mesh.dp_group) if mesh else (info.world_size, info.rank, None)
-    model = shard_model(model, mesh, args.sequence_parallel, args.cp_attention, args.cp_layout, args.ep)
+    model = shard_model(model, mesh, args.sequence_parallel, args.cp_attention, args.cp_layout, args.ep,
+                        args.pp_schedule, args.pp_virtual_stages)
     set_activation_checkpointing(model, args.activation_checkpointing == "blocks")  # chapter 09
     opts = make_optimizers(model, group=mesh and mesh.dp_cp_group, **optimizer_options(args))  # (ZeRO, Muon)
     sync = gradient_sync(model, opts, zero_stage=args.zero_stage, dp=args.dp, bucket_cap_mb=args.bucket_cap_mb,

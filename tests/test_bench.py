@@ -168,27 +168,39 @@ def test_checksums_benchmark_quick():
 
 
 def test_pp_benchmark_quick(bench):
-    """Chapter 11's benchmark, quick (p 2, m 1, 2, 4, both schedules): what it counts on the
-    real run equals the formulas (micro-batches in flight per stage, m for GPipe and
-    min(p - stage, m) for 1F1B; the bytes saved for backward, per micro-batch and at the
-    peak); the bubble it measures is a share of the step; its formula column is
-    (p-1)/(m+p-1). No time is asserted."""
+    """Chapter 11's benchmark, quick (p 2, m 1, 2, 4; GPipe, 1F1B and ZB-H1, and interleaved 1F1B
+    at m 2 and 4, its groups of p): what it counts on the real run equals the formulas
+    ((chunk,) micro-batches in flight per stage: m for GPipe, min(p - stage, m) for 1F1B,
+    min(p, m) for ZB-H1, interleaved's warm-up plus one; the bytes saved for backward, per
+    forward and at the peak, walked by hand here); the bubble it measures is a share of the
+    step; its formula column is the ideal timeline's ((p-1)/(m+p-1) for GPipe and 1F1B); a
+    point is flagged shared by its own rule. No time is asserted."""
+    from minidist.pipeline.measure import in_flight_formula, schedule_bubble
     r, tmp_path = bench["pp"]
     assert r.returncode == 0, r.stderr
     result = json.loads((tmp_path / "pp.json").read_text())
     points = result["points"]
     assert {(pt["p"], pt["m"], pt["schedule"]) for pt in points} == \
-        {(2, m, s) for m in (1, 2, 4) for s in ("gpipe", "1f1b")}
+        {(2, m, s) for m in (1, 2, 4) for s in ("gpipe", "1f1b", "zb-h1")} | {(2, 2, "interleaved"), (2, 4, "interleaved")}
     for pt in points:
-        p, m = pt["p"], pt["m"]
-        assert pt["formula"] == pytest.approx((p - 1) / (m + p - 1))
+        p, m, v = pt["p"], pt["m"], 2 if pt["schedule"] == "interleaved" else 1
+        assert pt["formula"] == pytest.approx(schedule_bubble(pt["schedule"], p, m, v))
+        if pt["schedule"] in ("gpipe", "1f1b"):
+            assert pt["formula"] == pytest.approx((p - 1) / (m + p - 1))
         assert 0 < pt["bubble"] < 1 and pt["ratio"] == pytest.approx(pt["bubble"] / pt["formula"])
+        assert pt["shared"] == (pt["cpu_share"] < min(1 - pt["bubble"], result["cores"] / p) - 0.1)
         assert [st["stage"] for st in pt["stages"]] == list(range(p))
         for st in pt["stages"]:
-            k = m if pt["schedule"] == "gpipe" else min(p - st["stage"], m)
+            k = {"gpipe": m, "1f1b": min(p - st["stage"], m), "zb-h1": min(p, m),
+                 "interleaved": min((v - 1) * p + 2 * (p - 1 - st["stage"]) + 1, v * m)}[pt["schedule"]]
+            assert k == in_flight_formula(pt["schedule"], p, st["stage"], m, v)
             assert st["peak_in_flight"] == st["in_flight_order"] == st["in_flight_formula"] == k
-            assert st["saved_per_mb"] == st["saved_per_mb_formula"] > 0
-            assert st["peak_saved"] == st["peak_saved_formula"] == k * st["saved_per_mb"]
+            assert st["saved_per_mb"] == st["saved_per_mb_formula"] and len(st["saved_per_mb"]) == v * m
+            assert min(st["saved_per_mb"]) > 0 and st["peak_saved"] == st["peak_saved_formula"]
+            if v == 1:  # one size per micro-batch: the peak is k of them
+                assert st["peak_saved"] == k * st["saved_per_mb"][0]
+            else:  # chunks of one block each (4 blocks in 4 chunks): the first stage's chunk 0 has the lookups
+                assert st["peak_saved"] <= k * max(st["saved_per_mb"]) and len(set(st["saved_per_mb"])) == 2
     assert result["memory_counts_equal_formulas"] is True
     # torch.distributed.pipelining's schedules on the same stages: the same gradients, exactly
     # (the same modules and arithmetic; only who calls them differs), and both timed

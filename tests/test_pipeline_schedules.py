@@ -231,7 +231,7 @@ def test_in_flight_and_saved_bytes_equal_the_formulas(ranks, p):
             if sched == "zb-h1":  # W's pending (B done, W not) on stage s: at most s + 1
                 pend = [sum(1 for a in acts[:i + 1] if a[0] == "B") - sum(1 for a in acts[:i + 1] if a[0] == "W")
                         for i in range(len(acts))]
-                assert max(pend) == min(s + 1, m), (s, m)
+                assert max(pend) == pm.pending_w_formula(p, s, m) == min(s + 1, m), (s, m)
     # the memory price of interleaving: rank 0 holds p + (p - 1)/v stage micro-batches, 1F1B p
     assert Fraction(pm.in_flight_formula("interleaved", 4, 0, 8, 2), 2) == 4 + Fraction(3, 2)
 
@@ -335,6 +335,60 @@ def test_zb_h1_ideal_bubble_is_the_closed_form(p):
     # F = B = W: a third of 1F1B's (p - 1)(F + B + W); the paper's (p - 1)(F + B - W) while W is shortest
     assert pm.zb_h1_idle(p, p, 1, 1, 1) * 3 == (p - 1) * 3
     assert pm.zb_h1_idle(p, p, 2, 3, 1) == (p - 1) * 4 and pm.zb_h1_idle(p, p, 1, 1, 2) == (p - 1) * 1
+
+
+def test_step_units_are_the_ideal_timelines_span():
+    """What the planner prices (minidist/compose/plan_mesh.py): a step of step_units micro-batches'
+    work, F + B = 3 units each (ZB-H1: F = B = W = 1), for every m, not only the closed forms' range."""
+    for p in (2, 3, 4):
+        for v in (2, 3):
+            for m in (p, 2 * p, 3 * p):
+                span = max(e.end for r in orders.ideal_timeline("interleaved", p, m, v) for e in r.events)
+                assert span == 3 * Fraction(pm.step_units("interleaved", p, m, v)).limit_denominator(100), (p, v, m)
+        for m in range(1, 3 * p + 1):
+            span = max(e.end for r in orders.ideal_timeline("zb-h1", p, m, B=1, W=1) for e in r.events)
+            assert span == 3 * Fraction(pm.step_units("zb-h1", p, m)).limit_denominator(100), (p, m)
+            assert pm.schedule_bubble("zb-h1", p, m) == pytest.approx(1 - m / (span / 3))
+        assert pm.schedule_bubble("1f1b", p, 4) == pm.bubble_formula(p, 4) == pm.schedule_bubble("gpipe", p, 4)
+
+
+def test_split_backward_holds_the_formulas_output_gradients_and_misses_no_parameter():
+    """Between B and W a micro-batch holds its layers' output gradients: exactly
+    minidist.memory.output_grad_bytes (fp32 and bf16, 1 and 3 blocks: each term pinned). A
+    parameter read outside its module's call (as the position table under sequence parallelism)
+    gets its gradient in B: B and W together equal one backward."""
+    from minidist.memory.estimate import output_grad_bytes
+    from minidist.scaler import autocast
+    for n, precision in ((1, "fp32"), (3, "fp32"), (3, "bf16")):
+        torch.manual_seed(n)
+        cfg = GPTConfig(n_layer=n, n_head=2, n_embd=16, block_size=8, vocab_size=40)
+        model, (x, y) = GPT(cfg), _micro_batches(1)[0]
+        x, y = x[:, :8] % 40, y[:, :8] % 40
+        with pl.capture(model) as noted, autocast(torch.device("cpu"), precision):
+            _, loss = model(x, y, reduction="sum")
+        _, pending = pl.backward_input(loss, None, None, noted)
+        held = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for _, _, g in pending}
+        assert sum(held.values()) == output_grad_bytes(cfg, *x.shape, n, True, True, precision), (n, precision)
+
+    class Odd(nn.Module):  # a table read by F.embedding, beside a Linear called as a module
+        def __init__(self):
+            super().__init__()
+            self.table, self.lin = nn.Embedding(8, 4), nn.Linear(4, 4)
+
+        def forward(self, i):
+            return self.lin(F.embedding(i, self.table.weight)).square().sum()
+    torch.manual_seed(0)
+    odd, i = Odd(), torch.tensor([1, 3, 3])
+    odd(i).backward()
+    want = {n: q.grad.clone() for n, q in odd.named_parameters()}
+    odd.zero_grad(set_to_none=True)
+    with pl.capture(odd) as noted:
+        loss = odd(i)
+    _, pending = pl.backward_input(loss, None, None, noted)
+    assert [q for q in noted.others] == [odd.table.weight] and odd.lin.weight.grad is None
+    pl.backward_weights(pending)
+    for n, q in odd.named_parameters():
+        torch.testing.assert_close(q.grad, want[n], rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- what is refused

@@ -1,6 +1,8 @@
 """Chapter 11's planner (minidist/compose/plan_mesh.py): its choice equals a search of every
-configuration that weighs every pipeline stage; its memory and price are the course's
-formulas (chapters 08-11) on one rank of the mesh; its command line says what to change."""
+configuration that weighs every pipeline stage, for every pipeline schedule (the appendix,
+section G); its memory and price are the course's formulas (chapters 08-11) on one rank of the
+mesh, each schedule's held and timed as its order holds and times it; its command line says
+what to change."""
 
 import itertools
 
@@ -12,7 +14,11 @@ from minidist.cost_model import Hardware, block_activation_bytes, rank_params, s
 from minidist.cost_model import ELEM, GB
 from minidist.memory import step_memory
 from minidist.model import PRESETS, GPTConfig, config_num_params
-from minidist.pipeline import split_layers
+from minidist import pipeline as pl
+from minidist.model import flops_per_token
+from minidist.memory.estimate import output_grad_bytes
+from minidist.pipeline import chunk_layers, orders, split_layers
+from minidist.pipeline import measure as pm
 from minidist.pipeline.measure import stage_activation_bytes
 from minidist.memory.plan import PlanError
 from minidist.tensor_parallel.cost import param_bytes, tp_block_activation_bytes
@@ -222,3 +228,96 @@ def test_bad_arguments_say_what_to_change(argv, says, capsys):
         R.main(["mesh", *argv])
     captured = capsys.readouterr()
     assert e.value.code == 2 and says in captured.err and not captured.out, captured.err
+
+
+# Chapter 11's appendix, section G: train_gpt's --pp-schedule on a mesh given, budgets where
+# memory binds (GPipe's m in flight fits nothing on some; ZB-H1's last stage holds p heads)
+SCHEDULED = [("gpt2", 4, 8, 3, 1, 2), ("gpt2", 8, 8, 2, 1, 4), ("gpt2-medium", 4, 8, 6, 2, 2), ("gpt2", 8, 8, 1.5, 2, 4)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zb-h1", 1)]
+
+
+@pytest.mark.parametrize("name, per, world, budget, tp, pp", SCHEDULED)
+def test_plan_on_a_mesh_for_each_schedule_equals_brute_force(name, per, world, budget, tp, pp):
+    """plan_on_mesh(schedule=...) is the cheapest of every (ZeRO, recomputation, m) written out
+    here, every stage weighed as the schedule holds it: GPipe m in flight, 1F1B p - s,
+    interleaved its (chunk, micro-batch) forwards over its chunks' blocks (m in groups of pp),
+    ZB-H1 p with s + 1 pending W's (no recomputation); each priced by its ideal step."""
+    cfg, T, batch = GPTConfig(**PRESETS[name]), 1024, per * world
+    dp, L = world // (tp * pp), cfg.n_layer
+    for sched, v in SCHEDULES:
+        blocks = [sum(len(c) for c in chunk_layers(L, pp, v)[s::pp]) for s in range(pp)] if v > 1 else \
+            [len(r) for r in split_layers(L, pp)]
+        best = None
+        for zero, ck, m in itertools.product((0, 1), (False, True), range(1, batch // dp + 1)):
+            if (batch // dp) % m or (v > 1 and m % pp) or (sched == "zb-h1" and ck):
+                continue
+            step_s, sent = PM.price(cfg, batch, T, dp, tp, pp, zero, m, ck, False, schedule=sched, v=v)
+            key = (step_s, pm.schedule_bubble(sched, pp, m, v), sum(sent), ck, False, m, zero, pp, tp, 1)
+            if best is not None and key >= best:
+                continue
+            peak = max(step_memory(cfg, batch // (dp * m), T, dp, zero, ck, "bf16", tp=tp, blocks=blocks[s],
+                                   first=s == 0, last=s == pp - 1, in_flight=pm.in_flight_formula(sched, pp, s, m, v),
+                                   chunks=v, pending_w=min(s + 1, m) if sched == "zb-h1" else 0)["peak"]
+                       for s in range(pp))
+            if peak <= budget * GB:
+                best = key
+        if best is None:
+            with pytest.raises(PlanError, match=f"nothing fits {budget:g} GB per rank"):
+                PM.plan_on_mesh(cfg, batch, T, dp, tp, pp, budget, schedule=sched, virtual_stages=v)
+            continue
+        got, line = PM.plan_on_mesh(cfg, batch, T, dp, tp, pp, budget, schedule=sched, virtual_stages=v)
+        assert got.price() == best and (got.schedule, got.v) == (sched, v), sched
+        assert PM.NAMES[sched] in line and got.peak <= budget * GB
+
+
+def test_each_schedule_is_priced_by_its_ideal_step_and_its_messages():
+    """With messages free, a step costs step_units micro-batches' compute (the ideal timeline's
+    span, tests/test_pipeline_schedules.py); the pp bytes are the messages the schedule's slots
+    post (minidist.pipeline.orders.talks), m (2 v - 1) at either end of a pipe of 2."""
+    cfg, free = GPTConfig(**PRESETS["gpt2"]), Hardware(intra_alpha_s=0.0, inter_alpha_s=0.0, intra_GBps=1e30,
+                                                        inter_GBps=1e30)
+    B, T = 2, 1024
+    for p, m in ((2, 4), (4, 8)):
+        compute = flops_per_token(cfg, T) * B * T / p / (free.peak_flops * free.mfu)
+        for sched, v in SCHEDULES:
+            step_s, sent = PM.price(cfg, B * m, T, 1, 1, p, 0, m, False, False, hw=free, schedule=sched, v=v)
+            assert step_s == pytest.approx(compute * pm.step_units(sched, p, m, v), rel=1e-9), (sched, v)
+            if sched in ("interleaved", "zb-h1"):
+                for s in range(p):
+                    posted = sum(len(sends) for sends, _ in orders.talks(pl.SLOTS[sched](p, v, m, s), p, p * v))
+                    assert posted == m * (2 * v - (s == 0) - (s == p - 1)), (sched, v, s)
+                if p == 2:
+                    assert sent[2] == m * (2 * v - 1) * 4 * B * T * cfg.n_embd
+
+
+def test_interleaved_and_zb_h1_memory_is_their_held_activations():
+    """step_memory for a rank of chunks holds exactly what interleaved 1F1B's order holds at its
+    peak (chapter 09's bytes per chunk, walked), but on the first rank, where each chunk in flight
+    is counted with the token indices (a few bytes a token over); GPipe holds m, ZB-H1 p and its
+    pending W's layers' output gradients (fp32)."""
+    B, T = 2, 16
+    for L, p, v in ((8, 2, 2), (8, 4, 2), (12, 3, 2)):
+        cfg, cuts = GPTConfig(n_layer=L, n_head=4, n_embd=32, block_size=T, vocab_size=64), chunk_layers(L, p, v)
+        for s in range(p):
+            for m in (p, 2 * p):
+                per = {c: stage_activation_bytes(cfg, B, T, len(cuts[c * p + s]), c * p + s == 0,
+                                                 c * p + s == p * v - 1) - 4 * (c * p + s == p * v - 1)
+                       for c in range(v)}
+                held, most = set(), 0
+                for kind, vs, mb in (a for slot in pl.interleaved_slots(p, v, m, s) for a in slot):
+                    (held.add if kind == "F" else held.remove)((vs // p, mb))
+                    most = max(most, sum(per[c] for c, _ in held))
+                k = pm.in_flight_formula("interleaved", p, s, m, v)
+                got = step_memory(cfg, B, T, 1, 0, blocks=sum(map(len, cuts[s::p])), first=s == 0, last=s == p - 1,
+                                  in_flight=k, chunks=v)["activations"]
+                assert most <= got <= most + (s == 0) * k * (8 * B * T + 8 * T), (L, p, v, s, m)
+                assert got == most or s == 0
+    cfg = GPTConfig(**PRESETS["gpt2"])
+    for s in range(4):
+        plain = dict(blocks=3, first=s == 0, last=s == 3)
+        assert PM.stage_memory(cfg, 64, 1024, 1, 1, 4, 0, 8, False, False, s, schedule="gpipe") == \
+            step_memory(cfg, 8, 1024, 1, 0, False, "bf16", in_flight=8, **plain)["peak"]
+        zb = step_memory(cfg, 8, 1024, 1, 0, False, "bf16", in_flight=4, pending_w=s + 1, **plain)
+        assert PM.stage_memory(cfg, 64, 1024, 1, 1, 4, 0, 8, False, False, s, schedule="zb-h1") == zb["peak"]
+        assert zb["activations"] == step_memory(cfg, 8, 1024, 1, 0, False, "bf16", in_flight=4, **plain)["activations"] \
+            + (s + 1) * output_grad_bytes(cfg, 8, 1024, 3, s == 0, s == 3, "bf16")

@@ -308,6 +308,7 @@ def _a_file(tmp_path):
 
 BAD_ENV = [  # (variable, value or a function of tmp_path making one), the message's words
     ("MINIDIST_TIMEOUT", "abc", "finite number of seconds > 0"),
+    ("MINIDIST_FIGURES", "yes", "use 1 (on) or 0 (off)"),
     ("MINIDIST_TIMEOUT", "nan", "finite number of seconds > 0"),
     ("MINIDIST_TIMEOUT", "inf", "finite number of seconds > 0"),
     ("MINIDIST_TIMEOUT", "-5", "finite number of seconds > 0"),

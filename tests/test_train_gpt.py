@@ -35,13 +35,19 @@ TP = {"tp-2": ["--tp", "2"], "tp-2-sp-zero-1": ["--tp", "2", "--sequence-paralle
 # tp 2 x pp 2 with sequence parallelism, 1F1B over 2 micro-batches (the stages cut from each
 # rank's tensor-parallel shard; Muon orthogonalising whole matrices gathered over tp), every
 # stage's blocks recomputed in backward (chapter 09); pp 2 with the ZeRO stage, the
-# micro-batches and recomputation left to the planner
+# micro-batches and recomputation left to the planner; the appendix's schedules (section G):
+# interleaved 1F1B, 4 blocks in 2 chunks per stage (the oracle the same 4-block model), 4
+# micro-batches in two groups of 2, the clip binding (its norm over both ranks' chunks and the
+# tied matrix); ZB-H1 on tp 2 x pp 2 with sequence parallelism (the position table, read
+# outside its module, gets its gradient in B)
 PP = {"pp-2-1f1b": ["--pp", "2", "--pp-schedule", "1f1b"],
       "pp-2-gpipe-dp-2": ["--pp", "2", "--pp-schedule", "gpipe", "--zero-stage", "1", "--grad-clip", "0.05"],
       "tp-2-pp-2-sp": ["--tp", "2", "--pp", "2", "--sequence-parallel", "--pp-schedule", "1f1b",
                        "--activation-checkpointing", "blocks"],
       # the planner's auto flags on the mesh given (minidist.run.flag_checks.plan_auto, plan_mesh.plan_on_mesh)
-      "pp-2-auto": ["--pp", "2", "--zero-stage", "auto", "--activation-checkpointing", "auto"]}
+      "pp-2-auto": ["--pp", "2", "--zero-stage", "auto", "--activation-checkpointing", "auto"],
+      "pp-2-interleaved": ["--n-layer", "4", "--pp", "2", "--pp-schedule", "interleaved", "--grad-clip", "0.05"],
+      "tp-2-pp-2-sp-zb-h1": ["--tp", "2", "--pp", "2", "--sequence-parallel", "--pp-schedule", "zb-h1"]}
 # context parallelism (chapter 12), with Muon against the same one-process oracle: cp 2 with the
 # ring over zigzag slices, ZeRO-2 over the dp x cp ranks, two micro-steps and every block
 # recomputed in backward (the ring's messages run again, in the same order on every rank);
@@ -58,6 +64,7 @@ CP = {"cp-2-ring-zero-2-recompute": ["--cp", "2", "--zero-stage", "2", "--activa
                                               ("tp-2-zero-2", 4, 1), ("tp-2-muon", 2, 1),
                                               ("pp-2-1f1b", 2, 4), ("pp-2-gpipe-dp-2", 4, 2),
                                               ("tp-2-pp-2-sp", 4, 2), ("pp-2-auto", 2, "auto"),
+                                              ("pp-2-interleaved", 2, 4), ("tp-2-pp-2-sp-zb-h1", 4, 2),
                                               ("cp-2-ring-zero-2-recompute", 2, 2),
                                               ("cp-2-dp-2-allgather-zero-1", 4, 1), ("cp-2-ulysses", 2, 1)])
 def test_data_parallel_equals_one_process(tmp_path, dp, world, accum, pool):
@@ -69,9 +76,10 @@ def test_data_parallel_equals_one_process(tmp_path, dp, world, accum, pool):
     if adamw:
         argv += ["--optimizer", "adamw"]
     key = "adamw" if adamw else "one"
-    if dp in PP and "--grad-clip" in PP[dp]:  # a clip that binds: the oracle clips at the same norm
-        argv += PP[dp][PP[dp].index("--grad-clip"):]
-        key += "-clip"
+    for flag in ("--n-layer", "--grad-clip") if dp in PP else ():  # the oracle's model, and a clip
+        if flag in PP[dp]:                                        # that binds, at the same norm
+            argv += PP[dp][PP[dp].index(flag):][:2]
+            key += " ".join(argv[-2:])
     if key not in _REFERENCE:  # the oracle depends only on the optimizer (and clip): computed once each
         _REFERENCE[key] = pool(1).run(_train, argv + ["--dp", "flat", "--out-dir", str(tmp_path / "one")])[0]
     one = _REFERENCE[key]
@@ -149,6 +157,16 @@ BAD_FLAGS = [
      "the planner: nothing fits 1e-06 GB per rank on dp 1 x tp 1 x pp 2"),
     (["--pp", "2", "--sequence-parallel"], "add --tp 2 or more"),
     (["--pp", "2", "--pp-schedule", "zigzag"], "invalid choice: 'zigzag'"),
+    (["--pp", "2", "--pp-schedule", "interleaved"], "use --n-layer >= 4, or --pp-schedule 1f1b"),
+    (["--pp", "2", "--pp-schedule", "interleaved", "--n-layer", "4", "--pp-virtual-stages", "1"],
+     "interleaving needs 2 or more chunks per stage"),
+    (["--pp", "2", "--pp-schedule", "interleaved", "--n-layer", "4", "--grad-accum-steps", "3"],
+     "in groups of 2 and --grad-accum-steps is 3: use --grad-accum-steps 2 or 4"),
+    (["--pp", "2", "--pp-schedule", "interleaved", "--n-layer", "4", "--grad-accum-steps", "auto", "--batch-size", "3"],
+     "the planner: 3 sequences over 1 data-parallel ranks do not split into any micro-batches in interleaved"),
+    (["--pp", "2", "--pp-virtual-stages", "3"], "add --pp-schedule interleaved"),
+    (["--pp", "2", "--pp-schedule", "zb-h1", "--activation-checkpointing", "blocks"],
+     "drop --activation-checkpointing, or use --pp-schedule 1f1b"),
     # chapter 12: what context parallelism refuses, before any work
     (["--cp", "3"], "--cp 3 does not divide the world of 2 ranks"),
     (["--cp", "2", "--tp", "2"], "--cp 2 with --tp is not built yet"),
@@ -235,22 +253,26 @@ def test_missing_corpus_package_says_what_to_install(monkeypatch, capsys):
 
 
 def _pipeline_passes():
-    # pipeline_eval and pipeline_generate on 2 stages against the full model's forward and
-    # generate; and an fp16 overflow on the last stage only skips the step on the first too
+    # pipeline_eval and pipeline_generate on 2 stages, and on 2 stages of 2 interleaved chunks
+    # each (round the ring twice), against the full model's forward and generate; and an fp16
+    # overflow on the last stage only skips the step on the first too
     import torch
     from minidist.model import GPT, GPTConfig
-    from minidist.pipeline import Stage, pipeline_step
+    from minidist.pipeline import InterleavedStage, Stage, pipeline_step
     from minidist.compose.pipeline_sync import pipeline_eval, pipeline_generate
     from minidist.scaler import LossScaler
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=2, n_embd=16))
+    deep = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=4, n_head=2, n_embd=16))
     stage = Stage(model, None)
     x, y = torch.randint(0, 64, (3, 16)), torch.randint(0, 64, (3, 16))
-    ours = pipeline_eval(stage, x, y).item()
-    theirs = model(x, y, reduction="sum")[1].item()
     prompt = torch.zeros((1, 1), dtype=torch.long)
-    gen = pipeline_generate(stage, prompt, 20, 0.8, 10, torch.Generator().manual_seed(1))
-    ref = model.generate(prompt, 20, 0.8, 10, torch.Generator().manual_seed(1))
+    ours, theirs, gen, ref = [], [], [], []
+    for full, st in ((model, stage), (deep, InterleavedStage(deep, None, 2))):
+        ours.append(pipeline_eval(st, x, y).item())
+        theirs.append(full(x, y, reduction="sum")[1].item())
+        gen.append(pipeline_generate(st, prompt, 20, 0.8, 10, torch.Generator().manual_seed(1)).tolist())
+        ref.append(full.generate(prompt, 20, 0.8, 10, torch.Generator().manual_seed(1)).tolist())
     pipeline_step(stage, [(x, y)], "1f1b")
     if stage.is_last:  # an overflow where only the last stage sees it
         next(iter(stage.blocks.values())).attn.c_attn.weight.grad[0, 0] = float("inf")
@@ -260,11 +282,11 @@ def _pipeline_passes():
     scaler.step(opt)
     scaler.update()
     unchanged = all(torch.equal(a, b) for a, b in zip(before, stage.parameters()))
-    return ours, theirs, gen.tolist(), ref.tolist(), unchanged, scaler.skipped_steps, scaler.get_scale()
+    return ours, theirs, gen, ref, unchanged, scaler.skipped_steps, scaler.get_scale()
 
 
 def test_pipeline_eval_generate_and_overflow(pool):
     for ours, theirs, gen, ref, unchanged, skipped, scale in pool(2).run(_pipeline_passes):
-        assert ours == pytest.approx(theirs, rel=1e-6)
+        assert ours == pytest.approx(theirs, rel=1e-6) and len(ours) == 2
         assert gen == ref
         assert unchanged and skipped == 1 and scale == 2.0  # the first stage skipped too

@@ -3,12 +3,16 @@ on recorded timelines and counted, against their formulas. Chapter 11
 (chapters/11_pipeline.md, which reads the table). Exercised by `python -m minidist.bench pp
 --quick` (tests/test_bench.py).
 
-At p = 2 and 4 stages (a process each), m = 1..16, GPipe and 1F1B: the bubble from the
-recorded timelines (bubble_fraction) against (p-1)/(m+p-1); the micro-batches and bytes in
-flight, counted, against the formulas (exact: equal or not); and torch.distributed.pipelining's
-schedules on the same stages (the same gradients, step time). The model is sized so compute
+At p = 2 and 4 stages (a process each), m = 1..16, GPipe, 1F1B, ZB-H1 and (where the blocks
+make 2 chunks a stage, m in groups of p) interleaved 1F1B (the appendix, section G): the
+bubble from the recorded timelines (bubble_fraction) beside the ideal timeline's
+(schedule_bubble: (p-1)/(m+p-1) for the first two); the micro-batches and bytes in flight,
+counted, against the formulas (exact: equal or not); and torch.distributed.pipelining's GPipe
+and 1F1B on the same stages (the same gradients, step time). The model is sized so compute
 dominates the messages. With fewer cores than stages the idle is not idle hardware (a waiting
-stage's core runs another's work): the "on core" column says how much each stage had.
+stage's core runs another's work): the "on core" column says how much each stage had, and a
+point whose stages had a core for 0.1 less of the step than they could (1 - bubble, at most
+cores / p) is flagged "shared": another job held a core then.
 """
 
 from __future__ import annotations
@@ -28,15 +32,24 @@ from minidist.bench.report import pyplot, save_figure
 from minidist.bench.timing import interleaved
 from minidist.launch import launch
 from minidist.model import GPT, GPTConfig
-from minidist.pipeline import Stage, pipeline_step, split_layers
-from minidist.pipeline.measure import (StepRecord, bubble_fraction, bubble_formula, in_flight,
-                                       in_flight_formula, stage_activation_bytes)
+from minidist.pipeline import Stage, chunk_layers, pipeline_step, run_schedule, split_layers, stage_for
+from minidist.pipeline.measure import (StepRecord, bubble_fraction, in_flight, in_flight_formula,
+                                       schedule_bubble, stage_activation_bytes)
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+V = 2  # interleaved 1F1B's chunks per stage
+NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": f"interleaved (v {V})", "zb-h1": "ZB-H1"}
 FULL = dict(cfg=dict(n_layer=4, n_head=4, n_embd=256, block_size=128, vocab_size=256), batch=8,
             ps=(2, 4), ms=tuple(range(1, 17)), repeats=3, torch_ms=(4, 8), torch_rounds=5)
-QUICK = dict(cfg=dict(n_layer=2, n_head=2, n_embd=64, block_size=32, vocab_size=128), batch=2,
+QUICK = dict(cfg=dict(n_layer=4, n_head=2, n_embd=64, block_size=32, vocab_size=128), batch=2,
              ps=(2,), ms=(1, 2, 4), repeats=1, torch_ms=(2,), torch_rounds=1)
+
+
+def micro_counts(sched: str, p: int, ms, n_layer: int) -> list:
+    """The m a schedule runs at: interleaved's in groups of p, with V chunks of a block or more."""
+    if sched != "interleaved":
+        return list(ms)
+    return [m for m in ms if m % p == 0] if n_layer >= p * V else []
 
 
 def _micro_batches(cfg: dict, B: int, n: int, seed: int, dev) -> list:
@@ -51,19 +64,21 @@ def _sweep(cfg: dict, B: int, ms, repeats: int) -> dict | None:
     every stage's records and CPU seconds."""
     dev, p = rank_device(), dist.get_world_size()
     torch.manual_seed(0)  # the same full model on every stage, cut there
-    stage = Stage(GPT(GPTConfig(**cfg)).to(dev), None)
+    full = GPT(GPTConfig(**cfg)).to(dev)
+    todo = {sched: micro_counts(sched, p, ms, cfg["n_layer"]) for sched in SCHEDULES}
+    stages = {sched: stage_for(sched, full, None, V) for sched in SCHEDULES if todo[sched]}
     mbs = _micro_batches(cfg, B, max(ms), 1, dev)
-    for sched in SCHEDULES:  # warm-up: allocator, gloo's pairs, the first-call overheads
-        pipeline_step(stage, mbs[:min(2, len(mbs))], sched)
+    for sched, stage in stages.items():  # warm-up: allocator, gloo's pairs, the first-call overheads
+        run_schedule(stage, mbs[:todo[sched][0]], sched)
     out = {}
-    for sched in SCHEDULES:
-        for m in ms:
+    for sched, stage in stages.items():
+        for m in todo[sched]:
             runs = []
             for _ in range(repeats):
                 stage.zero_grad(set_to_none=True)
                 rec = StepRecord()
                 cpu = time.process_time()
-                pipeline_step(stage, mbs[:m], sched, record=rec)
+                run_schedule(stage, mbs[:m], sched, record=rec)
                 cpu = time.process_time() - cpu
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
@@ -102,7 +117,7 @@ def _versus_torch(cfg: dict, B: int, ms, rounds: int) -> list | None:
     ours, theirs = Stage(full, None), Stage(full, None)  # two copies of the same weights
     mbs = _micro_batches(cfg, B, max(ms), 2, dev)
     rows = []
-    for sched in SCHEDULES:
+    for sched in ("gpipe", "1f1b"):
         for m in ms:
             x, y = torch.cat([a for a, _ in mbs[:m]]), torch.cat([b for _, b in mbs[:m]])
             count = float((y != -1).sum())  # normalised as pipeline_step normalises its loss
@@ -132,9 +147,24 @@ def _versus_torch(cfg: dict, B: int, ms, rounds: int) -> list | None:
     return rows if rank == 0 else None
 
 
-def _point(cfg: GPTConfig, B: int, p: int, m: int, sched: str, runs) -> dict:
-    """One (p, m, schedule): the bubble, measured (median over the runs) and by formula, and
-    per stage the counted in-flight peaks beside the formulas."""
+def _held_peak(actions, per: dict) -> int:
+    """The most of per[chunk] bytes held at once over a stage's actions, a forward's held
+    until its W where the backward is split, else its B: the walk, with the formula's bytes."""
+    split = any(kind == "W" for kind, _, _ in actions)
+    held, most = set(), 0
+    for kind, c, mb in actions:
+        if kind == "F":
+            held.add((c, mb))
+        elif kind == ("W" if split else "B"):
+            held.remove((c, mb))
+        most = max(most, sum(per[c] for c, _ in held))
+    return most
+
+
+def _point(cfg: GPTConfig, B: int, p: int, m: int, sched: str, runs, cores: int) -> dict:
+    """One (p, m, schedule): the bubble, measured (median over the runs) and on the ideal
+    timeline, whether another job held a core, and per stage the counted in-flight peaks and
+    saved bytes beside the formulas (per chunk, for interleaved)."""
     bubbles, cpu_share = [], []
     for every in runs:
         records = [r for r, _ in every]
@@ -142,18 +172,21 @@ def _point(cfg: GPTConfig, B: int, p: int, m: int, sched: str, runs) -> dict:
         bubbles.append(bubble_fraction(records))
         cpu_share.append(sum(c for _, c in every) / (p * span))
     records = [r for r, _ in runs[-1]]  # the counts are the same in every run
-    cuts = split_layers(cfg.n_layer, p)
+    v = V if sched == "interleaved" else 1
+    cuts = chunk_layers(cfg.n_layer, p, v) if v > 1 else split_layers(cfg.n_layer, p)
     stages = []
     for s, r in enumerate(records):
-        per_mb = stage_activation_bytes(cfg, B, cfg.block_size, len(cuts[s]), s == 0, s == p - 1)
-        k = in_flight_formula(sched, p, s, m)
-        stages.append(dict(stage=s, peak_in_flight=r.peak_in_flight, in_flight_order=in_flight(r.order()),
-                           in_flight_formula=k, saved_per_mb=r.saved_bytes[0], saved_per_mb_formula=per_mb,
-                           peak_saved=r.peak_saved, peak_saved_formula=k * per_mb))
-    formula = bubble_formula(p, m)
-    measured = statistics.median(bubbles)
+        per = {c: stage_activation_bytes(cfg, B, cfg.block_size, len(cuts[c * p + s]), c * p + s == 0,
+                                         c * p + s == p * v - 1) for c in range(v)}
+        k, acts = in_flight_formula(sched, p, s, m, v), r.actions()
+        stages.append(dict(stage=s, peak_in_flight=r.peak_in_flight, in_flight_order=in_flight(acts),
+                           in_flight_formula=k, saved_per_mb=r.saved_bytes,
+                           saved_per_mb_formula=[per[c] for kind, c, _ in acts if kind == "F"],
+                           peak_saved=r.peak_saved, peak_saved_formula=_held_peak(acts, per)))
+    formula, measured, on_core = schedule_bubble(sched, p, m, v), statistics.median(bubbles), statistics.median(cpu_share)
     return dict(p=p, m=m, schedule=sched, bubble=measured, bubbles=bubbles, formula=formula,
-                ratio=measured / formula if formula else None, cpu_share=statistics.median(cpu_share),
+                ratio=measured / formula if formula else None, cpu_share=on_core,
+                shared=on_core < min(1 - measured, cores / p) - 0.1,
                 step_s=max(e.end for r in records for e in r.events), stages=stages)
 
 
@@ -168,27 +201,23 @@ def run(args) -> dict:
     for p in size["ps"]:
         t0 = time.perf_counter()
         runs = launch(_sweep, p, cfg, B, size["ms"], size["repeats"], timeout_s=1800, device="auto")[0]
-        points = [_point(gcfg, B, p, m, s, runs[s, m]) for s in SCHEDULES for m in size["ms"]]
+        points = [_point(gcfg, B, p, m, s, runs[s, m], os.cpu_count()) for s, m in runs]
         result["points"] += points
         print(f"\np = {p} stages ({p} processes on {os.cpu_count()} cores), "
-              f"{time.perf_counter() - t0:.0f} s")
-        print(f"  {'m':>3} {'formula':>8} | {'GPipe':>6} {'/formula':>8} {'step s':>7} {'on core':>7} | "
-              f"{'1F1B':>6} {'/formula':>8} {'step s':>7} {'on core':>7}")
-        by = {(pt["schedule"], pt["m"]): pt for pt in points}
-        for m in size["ms"]:
-            row = f"  {m:3d} {bubble_formula(p, m):8.3f} |"
-            for s in SCHEDULES:
-                pt = by[s, m]
-                row += f" {pt['bubble']:6.3f} {pt['ratio']:8.2f} {pt['step_s']:7.2f} {pt['cpu_share']:7.2f} |"
-            print(row.rstrip("|"))
-        m = max(size["ms"])
-        print(f"  in flight at m = {m}, per stage: peak micro-batches (formula), peak saved MB (formula = "
-              "that x one micro-batch's)")
+              f"{time.perf_counter() - t0:.0f} s; the ideal timeline's bubble beside the measured one")
+        print(f"  {'schedule':>17} {'m':>3} {'ideal':>6} {'measured':>8} {'/ideal':>6} {'step s':>7} {'on core':>7}")
+        for pt in points:
+            print(f"  {NAMES[pt['schedule']]:>17} {pt['m']:3d} {pt['formula']:6.3f} {pt['bubble']:8.3f} "
+                  f"{pt['ratio']:6.2f} {pt['step_s']:7.2f} {pt['cpu_share']:7.2f}" + ("  shared" if pt["shared"] else ""))
+        print("  in flight at each schedule's largest m, per stage: peak (chunk,) micro-batches (formula), "
+              "peak saved MB (formula)")
         for s in SCHEDULES:
+            last = [pt for pt in points if pt["schedule"] == s][-1:]
             cells = [f"stage {st['stage']}: {st['peak_in_flight']} ({st['in_flight_formula']}), "
                      f"{st['peak_saved'] / 1e6:.1f} ({st['peak_saved_formula'] / 1e6:.1f})"
-                     for st in by[s, m]["stages"]]
-            print(f"  {s:>5}  " + " | ".join(cells))
+                     for pt in last for st in pt["stages"]]
+            if cells:
+                print(f"  {NAMES[s]:>17} m {last[0]['m']}: " + " | ".join(cells))
     exact = all(st["peak_in_flight"] == st["in_flight_formula"] == st["in_flight_order"]
                 and st["peak_saved"] == st["peak_saved_formula"]
                 and st["saved_per_mb"] == st["saved_per_mb_formula"]
@@ -197,7 +226,8 @@ def run(args) -> dict:
     print(f"\nin-flight micro-batches and saved bytes, every stage, schedule and m: counted "
           f"{'==' if exact else '!='} formula")
     print("(bubble: 1 - forward and backward time / (p x step time), from the recorded timelines; "
-          "on core: the stages' process CPU seconds / (p x step time), at most cores / p)")
+          "on core: the stages' process CPU seconds / (p x step time), at most cores / p; shared: "
+          "on core 0.1 below 1 - bubble (or cores / p), another job held a core)")
     result["versus_torch"] = []
     print("\nagainst torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B) on the same stages: "
           "max |gradient difference|, median step (slowest stage), torch / ours")
@@ -220,19 +250,26 @@ def _plot(result, path) -> None:
         pts = [pt for pt in result["points"] if pt["p"] == p]
         ms = sorted({pt["m"] for pt in pts})
         fine = [x / 10 for x in range(10, 10 * max(ms) + 1)]
-        ax.plot(fine, [bubble_formula(p, x) for x in fine], color="black", label="(p-1)/(m+p-1)")
-        for i, s in enumerate(SCHEDULES):
+        ran = [s for s in SCHEDULES if any(pt["schedule"] == s for pt in pts)]
+        for s, style in (("1f1b", "-"), ("interleaved", "--"), ("zb-h1", ":")):  # GPipe's ideal is 1F1B's
+            if s in ran:
+                ax.plot(fine, [schedule_bubble(s, p, x, V if s == "interleaved" else 1) for x in fine], style,
+                        color="black", lw=1, label="ideal, " + ("GPipe and 1F1B" if s == "1f1b" else NAMES[s]))
+        for i, s in enumerate(ran):
             mine = sorted((pt for pt in pts if pt["schedule"] == s), key=lambda pt: pt["m"])
-            xs = [pt["m"] + (i - 0.5) * 0.15 for pt in mine]
+            xs = [pt["m"] + (i - 1.5) * 0.12 for pt in mine]
             lo = [pt["bubble"] - min(pt["bubbles"]) for pt in mine]
             hi = [max(pt["bubbles"]) - pt["bubble"] for pt in mine]
             ax.errorbar(xs, [pt["bubble"] for pt in mine], yerr=[lo, hi], fmt="o", ms=4, capsize=2,
-                        color=f"C{i}", label=f"measured, {'GPipe' if s == 'gpipe' else '1F1B'}")
+                        color=f"C{i}", label=f"measured, {NAMES[s]}")
+            shared = [(x, pt["bubble"]) for x, pt in zip(xs, mine) if pt["shared"]]
+            if shared:  # a ring round a point taken while another job held a core
+                ax.plot(*zip(*shared), "o", ms=9, mfc="none", color="red")
         ax.set(xlabel="micro-batches m", title=f"p = {p} stages, {p} processes on {result['cores']} cores",
                ylim=(0, 1.02))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     axes[0][0].set_ylabel("bubble: idle share of the step")
     fig.suptitle("Pipeline bubble, measured from the recorded timelines (median, range of the steps) "
-                 "vs the formula", fontsize=10)
+                 "vs the ideal timeline's; red rings: taken while the cores were shared", fontsize=9)
     save_figure(fig, path)

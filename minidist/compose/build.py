@@ -20,7 +20,7 @@ from minidist.compose.zero_muon import muon_for_zero, muon_under_zero
 from minidist.ddp import DDP, FlatDDP, NaiveDDP
 from minidist.experts import MoEGPT, expert_parallel, mark_experts
 from minidist.muon import Muon, split_params
-from minidist.pipeline import Stage, pipeline_step
+from minidist.pipeline import Stage, run_schedule, stage_for
 from minidist.scaler import LossScaler, autocast
 from minidist.tensor_parallel.gpt import parallelize
 from minidist.train import forward_backward
@@ -28,9 +28,10 @@ from minidist.zero import ShardedOptimizer, zero_optimizer
 
 
 def shard_model(model, mesh=None, sequence_parallel: bool = False, cp_attention: str = "ring",
-                cp_layout: str = "zigzag", ep: int = 1):
+                cp_layout: str = "zigzag", ep: int = 1, schedule: str = "1f1b", virtual_stages: int = 2):
     """This rank's part of the full `model` on a dp x tp x pp `mesh` (None: all of it):
-    its slices of every layer (chapter 10), then its stage's contiguous blocks (chapter 11);
+    its slices of every layer (chapter 10), then its stage's blocks as the pipeline `schedule`
+    runs them (chapter 11: contiguous, or interleaved's `virtual_stages` chunks round the ring);
     on a cp axis, all of it run on its slice of the sequence (chapter 12); an MoE GPT's
     routing counted over the world, its experts spread over ep ranks (chapter 13)."""
     if isinstance(model, MoEGPT):  # (train_gpt: experts with data parallelism alone)
@@ -46,7 +47,7 @@ def shard_model(model, mesh=None, sequence_parallel: bool = False, cp_attention:
     if mesh is not None and mesh.tp > 1:
         model = parallelize(model, mesh.tp_group, sequence_parallel)
     if mesh is not None and mesh.pp > 1:
-        model = Stage(model, mesh.pp_group)
+        model = stage_for(schedule, model, mesh.pp_group, virtual_stages)
     return model
 
 
@@ -143,10 +144,11 @@ class PlainStep:
 
 class PipelineStep(PlainStep):
     """The same three calls for a pipeline stage (chapter 11): the micro-batches through
-    `schedule`, the loss normalised as forward_backward does (times the loss scale), then
-    the gradients averaged over the data-parallel replicas; evaluation and sampling forward
-    only through the stages (minidist/compose/pipeline_sync.py). Every stage gets the same
-    loss, the same summed loss and the same tokens."""
+    `schedule` (one of minidist.pipeline.ALL_SCHEDULES, by run_schedule), the loss normalised
+    as forward_backward does (times the loss scale), then the gradients averaged over the
+    data-parallel replicas; evaluation and sampling forward only through the stages
+    (minidist/compose/pipeline_sync.py). Every stage gets the same loss, the same summed loss
+    and the same tokens."""
 
     def __init__(self, stage, sync, scaler, precision, world_size, group, schedule: str, mesh):
         super().__init__(stage, sync, scaler, precision, world_size, group)
@@ -154,7 +156,7 @@ class PipelineStep(PlainStep):
 
     def forward_backward(self, micro_batches) -> float:
         scaler, device = self.scaler, next(self.model.parameters()).device
-        loss = pipeline_step(self.model, micro_batches, self.schedule, self.group,
+        loss = run_schedule(self.model, micro_batches, self.schedule, self.group,
                              loss_scale=scaler.get_scale() if scaler is not None and scaler.enabled else 1.0,
                              amp=lambda: autocast(device, self.precision))
         self.sync.finish_gradient_synchronization()

@@ -1,7 +1,8 @@
 """Pipeline parallelism composed with the rest of a training run: a stage's gradient sync
 over its data-parallel replicas (plain averaging, or feeding ZeRO-1's shards), the norm for
 clipping summed over the stages, and the forward-only passes of evaluation and sampling.
-Chapter 11 (chapters/11_pipeline.md), section "composed". Exercised by
+Chapter 11 (chapters/11_pipeline.md), section "composed"; an InterleavedStage (its appendix,
+section G) is run chunk by chunk round the ring. Exercised by
 `torchrun --standalone --nproc_per_node=4 minidist/train_gpt.py --pp 2 --grad-accum-steps 4`
 and `pytest tests/test_train_gpt.py -k pp`.
 
@@ -73,21 +74,26 @@ class PipelineSync(ReplicaSync):
 
 
 def _through(stage: Stage, x: torch.Tensor) -> torch.Tensor | None:
-    """Forward only: receive the activation from the previous stage (the first stage reads
-    the tokens `x`), run this stage's layers, send the result on. Returns the last stage's
-    last block's output, None elsewhere."""
-    p = next(stage.parameters())
-    if stage.is_first:
-        h = stage.embed(x)
-    else:
-        h = torch.empty(stage.activation_shape(*x.shape), dtype=p.dtype, device=p.device)
-        exchange(stage.group, recvs=[(h, stage.prev)])
-    for block in stage.blocks.values():
-        h = block(h)
-    if not stage.is_last:
-        exchange(stage.group, sends=[(h.to(p.dtype).contiguous(), stage.next)])
-        return None
-    return h
+    """Forward only, chunk after chunk (a Stage is one; an InterleavedStage's go round the
+    ring of ranks v times): receive the activation from the rank before in the ring (the
+    first chunk of all reads the tokens `x`), run the chunk's blocks, send the result on.
+    Returns the last chunk's last block's output on its rank (the last), None elsewhere."""
+    p, s, n = next(stage.parameters()), stage.stage, stage.stages
+    ranks = dist.get_process_group_ranks(stage.group or dist.group.WORLD)
+    chunks = getattr(stage, "chunks", [stage.layers])
+    for c, layers in enumerate(chunks):
+        vstage = c * n + s
+        if vstage == 0:
+            h = stage.embed(x)
+        else:  # chunk c of the rank before, or at rank 0 chunk c - 1 of the last rank
+            h = torch.empty(stage.activation_shape(*x.shape), dtype=p.dtype, device=p.device)
+            exchange(stage.group, recvs=[(h, ranks[(s - 1) % n])])
+        for i in layers:
+            h = stage.blocks[str(i)](h)
+        if vstage == n * len(chunks) - 1:
+            return h
+        exchange(stage.group, sends=[(h.to(p.dtype).contiguous(), ranks[(s + 1) % n])])
+    return None
 
 
 @torch.no_grad()

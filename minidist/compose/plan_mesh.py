@@ -1,34 +1,34 @@
 """The planner on three axes: for a model, a world of ranks and a memory budget per rank, the
 mesh dp x tp x pp, the ZeRO stage, the micro-batches, sequence parallelism and recomputation
 that fit, at the least modelled step time. Chapter 11 (chapters/11_pipeline.md, section 8;
-its appendix, section B, derives the memory and the price). Chapter 12 adds a fourth, as
-train_gpt runs it: dp x cp, every sequence cut over cp ranks (cp_memory, cp_price). Exercised by
+its appendix derives the memory and the price, section B, and each schedule's, section G).
+Chapter 12 adds a fourth: dp x cp, every sequence cut over cp ranks (cp_memory, cp_price). Exercised by
 
     python -m minidist.run.plan mesh --preset gpt2 --world-size 8 --budget-gb 80
     pytest tests/test_plan_mesh.py
 
 The most loaded rank is on the first stage (the most blocks and micro-batches in flight) or
-the last (the head, the logits), so only those two are weighed; the search is per family
-(mesh, ZeRO stage, recomputation, sp), and tests/test_plan_mesh.py holds it equal to a search
-of every configuration that weighs every stage. Left out of the price: recomputation
-repeating tp's forward all-reduces, and stages unequal in time.
-"""
+the last (the head, the logits), so only those two are weighed (ZB-H1: all); the search is
+per family (mesh, ZeRO stage, recomputation, sp), of 1F1B pipelines (plan_on_mesh: the schedule
+given), held equal to a search of every configuration that weighs every stage. Left out of the
+price: recomputation repeating tp's forward all-reduces, and stages unequal in time."""
 
 from __future__ import annotations
 
 import bisect
-import math
 from dataclasses import dataclass, replace
 
-from minidist.cost_model import (ELEM, GB, MESSAGES, STRATEGIES, Hardware, collective_time, comm_volume,
-                                 exposed_time, link, rank_params)
+from minidist.cost_model import ELEM, GB, MESSAGES, Hardware, grad_sync_cost, link, rank_params
 from minidist.memory import step_memory
 from minidist.model import GPTConfig, flops_per_token
-from minidist.pipeline import split_layers
-from minidist.pipeline.measure import bubble_formula, in_flight_formula
+from minidist.pipeline.interleaved import stage_blocks
+from minidist.pipeline.measure import in_flight_formula, pending_w_formula, schedule_bubble, step_units
 from minidist.memory.plan import PlanError, check_sizes, divisors, recompute_flops_fraction, some
 from minidist.memory.plan import accum_options as micro_options  # a replica's share, split evenly
 from minidist.tensor_parallel.cost import comm_bytes as tp_comm_bytes
+
+
+NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B", "zb-h1": "ZB-H1"}
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,8 @@ class Plan:
     sent: tuple               # bytes the busiest rank sends per step: (dp, tp, pp)
     cp: int = 1               # chapter 12: the sequence cut over cp ranks (tp = pp = 1)
     cp_sent: float = 0.0      # bytes the ring sends per rank per step
+    schedule: str = "1f1b"    # the pipeline's (chapter 11 and its appendix), and its chunks per stage
+    v: int = 1
 
     def price(self) -> tuple:
         return (self.step_s, self.bubble, sum(self.sent) + self.cp_sent, self.checkpointed, self.sequence_parallel,
@@ -57,7 +59,8 @@ class Plan:
 
     def describe(self) -> str:
         mb = f"{self.micro} micro-batch{'es' if self.micro > 1 else ''} of {self.micro_batch}"
-        return ", ".join([self.mesh(), f"ZeRO-{self.zero}", mb] + ["1F1B"] * (self.pp > 1)
+        sched = NAMES[self.schedule] + (f" over {self.v} chunks per stage" if self.v > 1 else "")
+        return ", ".join([self.mesh(), f"ZeRO-{self.zero}", mb] + [sched] * (self.pp > 1)
                          + ["sequence parallel"] * self.sequence_parallel
                          + ["recomputation" if self.checkpointed else "no recomputation"])
 
@@ -72,62 +75,49 @@ def zero_stages(tp: int, pp: int) -> tuple[int, ...]:
     return (0, 1) if pp > 1 else (0, 1, 2) if tp > 1 else (0, 1, 2, 3)
 
 
-def stage_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, s, precision="bf16", bucket_cap_mb=25.0):
-    """step_memory's peak on stage s of the pipeline (bytes)."""
+def stage_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, s, precision="bf16", bucket_cap_mb=25.0, *,
+                 schedule="1f1b", v=1):
+    """step_memory's peak on stage s of the pipeline (bytes), as `schedule` (v chunks) holds it."""
     return step_memory(cfg, batch // (dp * m), seq_len, dp, zero, ck, precision, bucket_cap_mb, tp=tp,
-                       sequence_parallel=sp, blocks=len(split_layers(cfg.n_layer, pp)[s]), first=s == 0, last=s == pp - 1,
-                       in_flight=in_flight_formula("1f1b", pp, s, m))["peak"]
+                       sequence_parallel=sp, blocks=stage_blocks(cfg.n_layer, pp, v)[s], first=s == 0,
+                       last=s == pp - 1, in_flight=in_flight_formula(schedule, pp, s, m, v), chunks=v,
+                       pending_w=pending_w_formula(pp, s, m) if schedule == "zb-h1" else 0)["peak"]
 
 
-def peak_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision="bf16", bucket_cap_mb=25.0):
-    """The most loaded rank's peak: the first stage's or the last's."""
-    return max(stage_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, s, precision, bucket_cap_mb)
-               for s in {0, pp - 1})
+def peak_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision="bf16", bucket_cap_mb=25.0, *,
+                schedule="1f1b", v=1):
+    """The most loaded rank's peak: the first stage's or the last's (ZB-H1's pending W's grow
+    down the pipe: every stage weighed)."""
+    return max(stage_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, s, precision, bucket_cap_mb,
+                            schedule=schedule, v=v) for s in (range(pp) if schedule == "zb-h1" else {0, pp - 1}))
 
 
-def price(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision="bf16", hw=None, bucket_cap_mb=25.0):
-    """(modelled step seconds, bytes sent (dp, tp, pp)) of the slowest stage (chapter 11, appendix B)."""
+def price(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision="bf16", hw=None, bucket_cap_mb=25.0, *,
+          schedule="1f1b", v=1):
+    """(modelled step seconds, bytes sent (dp, tp, pp)) of the slowest stage (chapter 11, appendix B;
+    the step lasts step_units micro-batches' work: appendix G)."""
     hw = hw or Hardware()
     B, T, d, e = batch // (dp * m), seq_len, cfg.n_embd, ELEM[precision]
     compute = flops_per_token(cfg, T) * B * T / (tp * pp) / (hw.peak_flops * hw.mfu)  # one micro-batch
-    work = compute * (1 + (recompute_flops_fraction(cfg, T) if ck else 0)) * (m + pp - 1)  # the bubble
+    work = compute * (1 + (recompute_flops_fraction(cfg, T) if ck else 0)) * step_units(schedule, pp, m, v)
     worst = None
-    cuts = split_layers(cfg.n_layer, pp)  # the stages, by what sets their price: blocks and ends
-    for blocks, first, last in {(len(cut), s == 0, s == pp - 1) for s, cut in enumerate(cuts)}:
+    cuts = stage_blocks(cfg.n_layer, pp, v)  # the stages, by what sets their price: blocks and ends
+    for blocks, first, last in {(n, s == 0, s == pp - 1) for s, n in enumerate(cuts)}:
         psi = rank_params(cfg, tp, blocks, first, last)
         # tp: this stage's layers' all-reduces, every micro-batch (the embedding's, the
         # head's and the loss's counted on every stage: a small over-count in the middle)
         tp_mb = tp_comm_bytes(replace(cfg, n_layer=blocks), B, T, tp, sp, elem=e)["sent"] if tp > 1 else 0.0
         alpha, beta = link(tp, hw)
         tp_s = m * ((4 * blocks + 5) * MESSAGES[hw.latency]["all_reduce"](tp) * alpha + tp_mb * beta)
-        # pp: per micro-batch, one fp32 activation down and one gradient up, per neighbour
-        # (B x T x d, or this rank's T / tp positions under sequence parallelism)
-        sends, message = m * ((not first) + (not last)), 4.0 * B * T * d / (tp if sp else 1)
+        # pp: per micro-batch and chunk, one fp32 activation down and one gradient up, per
+        # neighbour (B x T x d, or this rank's T / tp positions under sequence parallelism)
+        sends, message = m * (2 * v - first - last), 4.0 * B * T * d / (tp if sp else 1)
         alpha, beta = link(dp * tp * pp, hw)
         pp_s = sends * (alpha + message * beta)
-        dp_bytes, dp_s = _dp_sync(cfg, psi, dp, tp, pp, zero, m, compute, hw, bucket_cap_mb)
+        dp_bytes, dp_s = grad_sync_cost(cfg, psi, dp, tp, pp, zero, m, compute, hw, bucket_cap_mb)
         here = (work + tp_s + pp_s + dp_s, (dp_bytes, m * tp_mb, sends * message))
         worst = here if worst is None or (here[0], sum(here[1])) > (worst[0], sum(worst[1])) else worst
     return worst
-
-
-def _dp_sync(cfg, psi, dp, tp, pp, zero, m, compute, hw, bucket_cap_mb):
-    """(bytes sent, exposed seconds) of one step's gradient sync over the dp group, whose
-    ranks are tp apart: it spans dp x tp consecutive ranks."""
-    size, span, f = 4 * psi, dp * tp, (dp - 1) / dp
-    if pp > 1:  # one flat all-reduce after the step; ZeRO-1 then all-gathers the updated shards
-        t = collective_time("all_reduce", size, dp, hw, span)
-        return (2 + zero) * f * size, t + zero * collective_time("all_gather", size, dp, hw, span)
-    fwd, bwd = compute / 3 * hw.overlap, 2 * compute / 3 * hw.overlap  # the last micro-batch's
-    sent = comm_volume(STRATEGIES[zero], psi, dp, elem_bytes=4, accum=m)  # as plan.comm_bytes
-    if zero == 3:  # a gather per block forward and backward, a reduce-scatter, every micro-batch
-        g, r = (collective_time(op, size / cfg.n_layer, dp, hw, span) for op in ("all_gather", "reduce_scatter"))
-        return sent, m * (exposed_time(g, cfg.n_layer, fwd) + exposed_time(g + r, cfg.n_layer, bwd))
-    k = max(1, math.ceil(size / (bucket_cap_mb * 2**20)))  # buckets, as DDP and ZeRO build them
-    op = "all_reduce" if zero == 0 else "reduce_scatter"
-    c = collective_time(op, size / k, dp, hw, span)
-    hidden = exposed_time(c, k, bwd) * (m if zero == 2 else 1)  # ZeRO-2 reduces every micro-batch
-    return sent, hidden + (k * collective_time("all_gather", size / k, dp, hw, span) if zero else 0)
 
 
 def cp_sizes(world: int, seq_len: int) -> list[int]:
@@ -154,7 +144,7 @@ def cp_price(cfg, batch, seq_len, dp, cp, zero, m, ck, precision="bf16", hw=None
     work = compute * (1 + (recompute_flops_fraction(cfg, T) if ck else 0)) * m
     hops, block = m * cfg.n_layer * 3 * (cp - 1), 2 * B * (T // cp) * cfg.n_embd * ELEM[precision]
     alpha, beta = link(cp, hw)
-    dp_bytes, dp_s = _dp_sync(cfg, rank_params(cfg, 1, cfg.n_layer, True, True), dp * cp, 1, 1, zero, m,
+    dp_bytes, dp_s = grad_sync_cost(cfg, rank_params(cfg, 1, cfg.n_layer, True, True), dp * cp, 1, 1, zero, m,
                               compute, hw, bucket_cap_mb)
     return work + hops * (alpha + block * beta) + dp_s, dp_bytes, hops * block
 
@@ -171,10 +161,14 @@ def _cp_best(cfg, batch, seq_len, dp, cp, zero, ck, ms, budget_gb, precision, hw
     return best
 
 
-def evaluate(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision="bf16", hw=None, bucket_cap_mb=25.0) -> Plan:
-    step_s, sent = price(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision, hw, bucket_cap_mb)
-    peak = peak_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision, bucket_cap_mb)
-    return Plan(dp, tp, pp, zero, m, ck, sp, batch // (dp * m), peak, step_s, bubble_formula(pp, m), sent)
+def evaluate(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision="bf16", hw=None, bucket_cap_mb=25.0, *,
+             schedule="1f1b", v=1) -> Plan:
+    step_s, sent = price(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision, hw, bucket_cap_mb,
+                         schedule=schedule, v=v)
+    peak = peak_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision, bucket_cap_mb,
+                       schedule=schedule, v=v)
+    return Plan(dp, tp, pp, zero, m, ck, sp, batch // (dp * m), peak, step_s, schedule_bubble(schedule, pp, m, v),
+                sent, schedule=schedule, v=v)
 
 
 def families(cfg: GPTConfig, seq_len: int, world: int):
@@ -186,32 +180,39 @@ def families(cfg: GPTConfig, seq_len: int, world: int):
                     yield dp, tp, pp, zero, ck, sp
 
 
-def _search(ms: list[int], pp: int) -> tuple[list[int], list[int]]:
-    """A family's micro-batch counts, split: below pp (in flight: m, so memory may grow with
-    m: each is checked) and from pp on (in flight: p - s whatever m: memory falls as m grows,
-    so a bisection finds the first that fits, and the largest needs the least)."""
-    return [m for m in ms if m < pp], [m for m in ms if m >= pp]
+def _search(ms: list[int], pp: int, schedule="1f1b", v=1) -> tuple[list[int], list[int]]:
+    """A family's micro-batch counts, split: those whose in-flight counts still grow with m
+    (1F1B's below pp, all of GPipe's: each is checked) and the rest, whose memory falls as m
+    grows (a bisection finds the first that fits; the largest needs the least)."""
+    full = [in_flight_formula(schedule, pp, s, pp * 10**6, v) for s in range(pp)]
+    steady = [m for m in ms if m >= pp and full == [in_flight_formula(schedule, pp, s, m, v) for s in range(pp)]]
+    return [m for m in ms if m not in steady], steady
 
 
-def _family_best(cfg, batch, seq_len, dp, tp, pp, zero, ck, sp, ms, budget_gb, precision, hw, bucket_cap_mb):
+def _family_best(cfg, batch, seq_len, dp, tp, pp, zero, ck, sp, ms, budget_gb, precision, hw, bucket_cap_mb,
+                 schedule="1f1b", v=1):
     """The family's cheapest plan that fits among the micro-batch counts `ms` (ascending), or None."""
+    how = dict(schedule=schedule, v=v)
+
     def fits(m):
-        return peak_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision, bucket_cap_mb) <= budget_gb * GB
-    few, many = _search(ms, pp)
+        return peak_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision, bucket_cap_mb, **how) \
+            <= budget_gb * GB
+    few, many = _search(ms, pp, schedule, v)
     lo = bisect.bisect_left(many, True, key=fits)  # binary search for the first that fits
     best = None
     for m in [m for m in few if fits(m)] + many[lo:]:  # at most the divisors of a share (check_sizes)
-        step_s, sent = price(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision, hw, bucket_cap_mb)
-        key = (step_s, bubble_formula(pp, m), sum(sent), ck, sp, m)
+        step_s, sent = price(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision, hw, bucket_cap_mb, **how)
+        key = (step_s, schedule_bubble(schedule, pp, m, v), sum(sent), ck, sp, m)
         best = min(best, (key, m)) if best else (key, m)
-    return best and evaluate(cfg, batch, seq_len, dp, tp, pp, zero, best[1], ck, sp, precision, hw, bucket_cap_mb)
+    return best and evaluate(cfg, batch, seq_len, dp, tp, pp, zero, best[1], ck, sp, precision, hw, bucket_cap_mb,
+                             **how)
 
 
-def _least(cfg, batch, seq_len, dp, tp, pp, zero, ck, sp, ms, precision, bucket_cap_mb) -> tuple:
-    """(the least peak of the family over `ms`, its m): below pp each, from pp on the largest."""
-    few, many = _search(ms, pp)
-    return min((peak_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision, bucket_cap_mb), m)
-               for m in few + many[-1:])
+def _least(cfg, batch, seq_len, dp, tp, pp, zero, ck, sp, ms, precision, bucket_cap_mb, schedule="1f1b", v=1):
+    """(the least peak of the family over `ms`, its m): those still growing each, else the largest."""
+    few, many = _search(ms, pp, schedule, v)
+    return min((peak_memory(cfg, batch, seq_len, dp, tp, pp, zero, m, ck, sp, precision, bucket_cap_mb,
+                            schedule=schedule, v=v), m) for m in few + many[-1:])
 
 
 def best_per_family(cfg, batch, seq_len, world, budget_gb, precision="bf16", hw=None, bucket_cap_mb=25.0,
@@ -250,23 +251,30 @@ def plan_mesh(cfg: GPTConfig, batch: int, seq_len: int, world: int, budget_gb: f
 
 
 def plan_on_mesh(cfg, batch, seq_len, dp, tp, pp, budget_gb, precision="bf16", sp=False, zeros=None,
-                 micros=None, ckpts=(False, True), hw=None, bucket_cap_mb=25.0) -> tuple[Plan, str]:
+                 micros=None, ckpts=(False, True), hw=None, bucket_cap_mb=25.0, schedule="1f1b",
+                 virtual_stages=2) -> tuple[Plan, str]:
     """The cheapest plan on a mesh already chosen (train_gpt's --tp and --pp), among the
     ZeRO stages `zeros`, micro-batch counts `micros` and recomputation choices `ckpts`
-    given (None: all that the mesh allows): what train_gpt's auto flags mean on a mesh."""
+    given (None: all that the mesh allows), for the pipeline `schedule` (interleaved: over
+    `virtual_stages` chunks; ZB-H1 refuses recomputation): train_gpt's auto flags on a mesh."""
     check_sizes(batch, seq_len, dp, budget_gb)
-    valid = micro_options(batch, dp)
+    v = virtual_stages if schedule == "interleaved" and pp > 1 else 1  # (its m: in groups of pp)
+    valid = [m for m in micro_options(batch, dp) if v == 1 or m % pp == 0]
     ms = sorted(set(micros or valid) & set(valid))
     if not ms:
-        raise PlanError(f"{batch} sequences over {dp} data-parallel ranks do not split into {micros} "
-                        f"micro-batches: choose from {some(valid)}")
+        groups = f" in interleaved 1F1B's groups of --pp {pp}" if v > 1 else ""
+        raise PlanError(f"{batch} sequences over {dp} data-parallel ranks do not split into {micros or 'any'} "
+                        f"micro-batches{groups}: " + (f"choose from {some(valid)}" if valid else
+                                                     f"use a --batch-size divisible by {dp * pp}"))
+    ckpts = [ck for ck in ckpts if not (ck and schedule == "zb-h1" and pp > 1)]
+    how = dict(schedule=schedule if pp > 1 else "1f1b", v=v)
     given = [(dp, tp, pp, z, ck, sp) for z in (zeros or zero_stages(tp, pp)) for ck in ckpts]  # families
     fits = [c for f in given if (c := _family_best(cfg, batch, seq_len, *f, ms, budget_gb, precision, hw,
-                                                   bucket_cap_mb))]
+                                                   bucket_cap_mb, **how))]
     if not fits:
-        _, m, (_, _, _, z, ck, _) = min((*_least(cfg, batch, seq_len, *f, ms, precision, bucket_cap_mb), f)
+        _, m, (_, _, _, z, ck, _) = min((*_least(cfg, batch, seq_len, *f, ms, precision, bucket_cap_mb, **how), f)
                                         for f in given)
-        least = evaluate(cfg, batch, seq_len, dp, tp, pp, z, m, ck, sp, precision, hw, bucket_cap_mb)
+        least = evaluate(cfg, batch, seq_len, dp, tp, pp, z, m, ck, sp, precision, hw, bucket_cap_mb, **how)
         raise PlanError(f"nothing fits {budget_gb:g} GB per rank on {least.mesh()}: the least, {least.describe()}, "
                         f"needs {least.peak / GB:.1f} GB; use more ranks, a shorter --seq-len, a smaller model "
                         "or a larger --memory-budget-gb")

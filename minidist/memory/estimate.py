@@ -26,7 +26,7 @@ from minidist.cost_model import (ELEM, GB, activation_bytes, block_activation_by
 from minidist.model import GPTConfig
 
 __all__ = ["ELEM", "GB", "activation_bytes", "block_activation_bytes", "head_activation_bytes",
-           "zero3_gathered_bytes", "count_saved_bytes", "step_memory", "LiveBytes", "live_tensors",
+           "zero3_gathered_bytes", "count_saved_bytes", "output_grad_bytes", "step_memory", "LiveBytes", "live_tensors",
            "storages_now", "measure_peak", "gib"]
 
 
@@ -69,10 +69,26 @@ def count_saved_bytes(model, idx, targets, precision: str = "fp32") -> dict:
 
 # ------------------------------------------------------------------ the step, modelled
 
+def output_grad_bytes(cfg: GPTConfig, B: int, T: int, blocks: int, first: bool, last: bool,
+                      precision: str = "fp32", tp: int = 1, sequence_parallel: bool = False) -> int:
+    """Bytes a micro-batch holds between a split backward's B and its W (chapter 11's ZB-H1):
+    the gradient of every parameter-holding layer's output. A block's: its LayerNorms' (fp32,
+    2d per token) and its Linears' (autocast's dtype, 9d: 3d and 4d split over tp); the first
+    stage's lookups (B T d and T d), the last's ln_f and logits (a tp rank's V / tp). Counted
+    against split.py's tensors without tp; with it, chapter 10's layout, not measured."""
+    d, e, sp = cfg.n_embd, ELEM[precision], tp if sequence_parallel else 1
+    block = B * T * (4 * 2 * d + e * 2 * d) // sp + B * T * e * 7 * d // tp
+    table = 4 * T * d if sp == 1 else 0  # (under sequence parallelism read outside its module: none)
+    return (blocks * block + (4 * B * T * d // sp + table if first else 0)
+            + (4 * B * T * d // sp + B * T * e * -(-cfg.vocab_size // tp) if last else 0))
+
+
+
 def step_memory(cfg: GPTConfig, micro_batch: int, seq_len: int, world: int = 1, stage: int = 0,
                 checkpointed: bool = False, precision: str = "fp32", bucket_cap_mb: float = 25.0, *,
                 tp: int = 1, sequence_parallel: bool = False, blocks: int | None = None,
-                first: bool = True, last: bool = True, in_flight: int = 1) -> dict:
+                first: bool = True, last: bool = True, in_flight: int = 1, chunks: int = 1,
+                pending_w: int = 0) -> dict:
     """Bytes per rank of one train_gpt step (AdamW, fp32 master weights and gradients,
     autocast at `precision`), by component, and the peak: the larger of two moments,
     the start of backward (every activation alive, the loss's gradient just made) and the
@@ -80,7 +96,11 @@ def step_memory(cfg: GPTConfig, micro_batch: int, seq_len: int, world: int = 1, 
 
     On a dp x tp x pp mesh (chapters 10, 11), `world` is the dp group, and the rank holds
     `tp`'s slice of `blocks` blocks, the embeddings if `first`, the head if `last`, and the
-    activations of `in_flight` micro-batches (the result's "in_flight": gradient buffers)."""
+    activations of `in_flight` micro-batches (the result's "in_flight": gradient buffers).
+    Chapter 11's appendix: with `chunks` > 1 (interleaved 1F1B) `in_flight` counts (chunk,
+    micro-batch) forwards, each a chunks-th of the blocks (exact when the chunks are equal),
+    and the head holds one (the last chunk's forward and backward share a slot); `pending_w`
+    micro-batches (ZB-H1's) also hold their layers' output gradients until their W."""
     pipelined = not (first and last)
     if stage == 3 and (tp > 1 or pipelined) or stage == 2 and pipelined:
         raise ValueError(f"ZeRO-{stage} is not built with tensor or pipeline parallelism")
@@ -101,9 +121,11 @@ def step_memory(cfg: GPTConfig, micro_batch: int, seq_len: int, world: int = 1, 
         in_flight_grads = 2 * unit if stage == 2 else 0.0
     n = cfg.n_layer if blocks is None else blocks
     ends = head_activation_bytes(B, T, d, cfg.vocab_size, precision, tp) - 8 * B * T - 8 * T
+    heads = (1 if chunks > 1 else in_flight) if last else 0
     act = in_flight * (n * block_activation_bytes(B, T, d, cfg.n_head, precision, checkpointed, tp,
-                                                  sequence_parallel)
-                       + (8 * B * T + 8 * T if first else 0) + (ends if last else 0))  # indices; the head
+                                                  sequence_parallel) / chunks
+                       + (8 * B * T + 8 * T if first else 0)) + heads * ends  # indices; the head
+    act += pending_w * output_grad_bytes(cfg, B, T, n, first, last, precision, tp, sequence_parallel)
     # recomputation: one block's activations, rebuilt during backward, and the gradient
     # of its widest tensor (the MLP's hidden, fp32)
     recompute = (block_activation_bytes(B, T, d, cfg.n_head, precision, False, tp, sequence_parallel)

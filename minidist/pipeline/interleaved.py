@@ -38,6 +38,12 @@ def describe_chunks(n_layer: int, p: int, v: int) -> str:
     return " | ".join(parts)
 
 
+def stage_blocks(n_layer: int, p: int, v: int = 1) -> list[int]:
+    """How many blocks each of the p ranks holds: a contiguous cut's (v = 1), or its v chunks'."""
+    return [sum(map(len, chunk_layers(n_layer, p, v)[s::p])) if v > 1 else len(r)
+            for s, r in enumerate(split_layers(n_layer, p))]
+
+
 class InterleavedStage(Stage):
     """This rank's v chunks of `model`, as Stage holds one: named as in the full model (its
     state_dict a slice of the full one), the embeddings on the first stage (chunk 0 is rank

@@ -133,6 +133,31 @@ def zb_h1_idle(p: int, m: int, F=1, B=1, W=1):
     return (p - 1) * (F + B - min(F, B, W))
 
 
+def step_units(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """A step's length on the ideal timeline, in units of one micro-batch's forward and
+    backward through one stage (its work is m of them; the bubble 1 - m / this). GPipe and
+    1F1B: m + p - 1. Interleaved: m + (p - 1) / v (p dividing m). ZB-H1 with F = B = W
+    (chapter 11's backward of two forwards, split in two halves): m + (p - 1) / 3 from m = p
+    on, where each hop saves one W of its three thirds; below, m + (2 (p - 1) - (m - 1)) / 3."""
+    if schedule == "interleaved":
+        return m + (p - 1) / v
+    if schedule == "zb-h1":
+        return m + (2 * (p - 1) - min(m - 1, p - 1)) / 3
+    return m + p - 1
+
+
+def schedule_bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """The idle share of the ideal step: 1 - m / step_units; GPipe's and 1F1B's bubble_formula."""
+    units = step_units(schedule, p, m, v)
+    return (units - m) / units
+
+
+def pending_w_formula(p: int, stage: int, m: int) -> int:
+    """ZB-H1's most W's pending at once on `stage` (its B done, its W not): the s deferred,
+    and the one of the slot that just ran its B."""
+    return min(stage + 1, m)
+
+
 def stage_activation_bytes(cfg: GPTConfig, B: int, T: int, n_blocks: int, first: bool,
                            last: bool) -> int:
     """Bytes one micro-batch of B x T tokens leaves saved for backward on a stage of

@@ -24,11 +24,20 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 
+class Notes(list):
+    """What `capture` noted: (layer, gradient edge of its output) in call order, and in
+    `others` the parameters no noted layer holds, used outside a layer's call (under
+    sequence parallelism the position table is read by F.embedding, not by its module):
+    B gets their gradients at once, as an unsplit backward would."""
+    others: list
+
+
 @contextmanager
 def capture(module: torch.nn.Module):
-    """Inside: a list that fills with (layer, gradient edge of its output) for every call of a
-    submodule of `module` that holds parameters needing gradients, in call order."""
-    noted = []
+    """Inside: a Notes that fills with (layer, gradient edge of its output) for every call of a
+    submodule of `module` that holds parameters needing gradients, in call order; its
+    `others` is filled on leaving."""
+    noted = Notes()
 
     def note(layer, args, out):
         if isinstance(out, torch.Tensor) and out.requires_grad:
@@ -40,17 +49,26 @@ def capture(module: torch.nn.Module):
     finally:
         for h in handles:
             h.remove()
+    held = {id(p) for layer, _ in noted for p in layer.parameters(recurse=False)}
+    noted.others = [p for p in module.parameters() if p.requires_grad and id(p) not in held]
 
 
-def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tensor | None, noted: list):
+def backward_input(out: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tensor | None, noted: Notes):
     """B: from `out` (the loss, grad None, on the last stage; else the output with the
     gradient received for it), the gradient of the stage input `inp` (None on the first stage,
-    whose input is token indices), and what W needs: [(layer, edge, gradient of its output)]."""
-    edges = [edge for _, edge in noted]
-    wanted = ([inp] if inp is not None else []) + edges
-    grads = torch.autograd.grad(out, wanted, grad, retain_graph=True)  # the graph stays for W
+    whose input is token indices), and what W needs: [(layer, edge, gradient of its output)].
+    The gradients of `noted.others` are added into .grad here."""
+    edges, others = [edge for _, edge in noted], getattr(noted, "others", [])
+    wanted = ([inp] if inp is not None else []) + edges + others
+    # the graph stays for W; allow_unused: a parameter in `others` may not be used at all
+    grads = torch.autograd.grad(out, wanted, grad, retain_graph=True, allow_unused=True)
     g_in = grads[0] if inp is not None else None
-    return g_in, [(layer, edge, g) for (layer, edge), g in zip(noted, grads[len(wanted) - len(edges):])]
+    first = len(wanted) - len(edges) - len(others)
+    for p, g in zip(others, grads[first + len(edges):]):
+        if g is not None:
+            p.grad = g if p.grad is None else p.grad.add_(g)
+    return g_in, [(layer, edge, g) for (layer, edge), g in zip(noted, grads[first:first + len(edges)])
+                  if g is not None]  # (None: an output the loss does not depend on)
 
 
 def backward_weights(pending: list) -> None:

@@ -18,12 +18,18 @@ def _env_folder(name: str) -> None:
         raise ValueError(f"{name}={value!r} is a file, not a folder: set it to a folder, or unset it")
 
 
+def _env_switch(name: str) -> None:
+    if os.environ.get(name, "0") not in ("0", "1"):
+        raise ValueError(f"{name}={os.environ[name]!r}: use 1 (on) or 0 (off), or unset it")
+
+
 # name -> a check that returns the value or raises ValueError naming the variable
 ENVIRONMENT = {
     "MINIDIST_TIMEOUT": default_timeout_s,
     "MINIDIST_FAULT": lambda: faults.parse_fault(os.environ.get("MINIDIST_FAULT")),
     "MINIDIST_DATA": lambda: _env_folder("MINIDIST_DATA"),  # the token cache
     "MINIDIST_DEVICE": env_device,
+    "MINIDIST_FIGURES": lambda: _env_switch("MINIDIST_FIGURES"),  # bench ep: also the chapter's figure
     "WORLD_SIZE": env_world_size,
 }
 

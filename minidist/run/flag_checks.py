@@ -1,5 +1,6 @@
-"""The checks of train_gpt's flags that span several flags (the tensor- and pipeline-
-parallel axes against the world, the model and what is built), --config, a TOML file of
+"""The checks of train_gpt's flags that span several flags (the tensor-parallel, context-parallel
+and expert axes against the world, the model and what is built; the pipeline's are in
+minidist/run/pipeline_checks.py), --config, a TOML file of
 flags, and the `auto` flags filled in by the planners. Chapter 10 (tensor parallelism),
 chapter 11 (pipelines, recipes, the planner on a mesh) and chapter 09 (the planner) add them;
 minidist/run/flags.py calls them before any process-group work. Exercised by
@@ -112,28 +113,6 @@ def blame_config(p: FlagParser, args) -> None:
                 if dest in named and getattr(args, dest, None) == value]
         return f"--config {args.config}: key{'s' * (len(keys) > 1)} {', '.join(keys)}: {message}" if keys else message
     p.blame = blame
-
-
-def check_pipeline(p, args, world_size: int) -> None:
-    """--pp and --pp-schedule against the world, the model and the other flags."""
-    pp, what = args.pp, f"--pp {args.pp}"
-    if pp == 1:
-        return
-    if world_size % (pp * args.tp):
-        n = pp * args.tp
-        p.error(f"{what}{f' x --tp {args.tp}' if args.tp > 1 else ''} does not divide the world of "
-                f"{world_size} ranks: start a multiple of {n} ranks (world = dp x tp x pp), or change --pp")
-    if args.n_layer < pp:
-        p.error(f"{what}: each stage holds at least one block and the model has --n-layer "
-                f"{args.n_layer}: use --pp <= {args.n_layer}")
-    if args.dp != "bucketed":
-        p.error(f"{what} with --dp {args.dp}: an MoE GPT's gradients are averaged by ExpertSync (one flat "
-                "all-reduce after backward, each expert over its replicas): drop --dp")
-    if args.zero_stage in (2, 3):
-        p.error(f"{what} with --zero-stage {args.zero_stage}: ZeRO-{args.zero_stage} would "
-                f"{'reduce-scatter the gradients' if args.zero_stage == 2 else 're-gather the parameters'} "
-                "for every micro-batch of the pipeline (the field pairs pipelining with ZeRO-1 only): "
-                "use --zero-stage 1 or 0")
 
 
 def check_tensor_parallel(p, args, world_size: int) -> None:
@@ -284,7 +263,8 @@ def plan_auto(p, args, world_size: int) -> dict:
         if on_a_mesh:
             c, line = plan_on_mesh(cfg, args.batch_size, args.seq_len, world_size // (args.tp * args.pp), args.tp,
                                    args.pp, budget, args.precision, args.sequence_parallel, zeros, accums, ckpts,
-                                   bucket_cap_mb=args.bucket_cap_mb)
+                                   bucket_cap_mb=args.bucket_cap_mb, schedule=args.pp_schedule,
+                                   virtual_stages=args.pp_virtual_stages)
             stage, accum = c.zero, c.micro
         else:
             c, line = plan(cfg, args.batch_size, args.seq_len, world_size, budget, args.precision, zeros, accums,

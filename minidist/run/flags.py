@@ -19,7 +19,8 @@ from minidist import data
 from minidist.run import flag_types as ft, outputs  # ft: each flag's type and range
 from minidist.run.environment import ENVIRONMENT, check_environment  # noqa: F401 (ENVIRONMENT: its table)
 from minidist.run.flag_checks import (FlagParser, blame_config, check_context_parallel, check_experts, check_model,
-                                      check_pipeline, check_tensor_parallel, config_argv, plan_auto)
+                                      check_tensor_parallel, config_argv, plan_auto)
+from minidist.run.pipeline_checks import check_pipeline
 from minidist.dist import env_world_size
 from minidist.run.locks import in_use_message, lock_holder
 from minidist.model import PRESETS
@@ -103,8 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--moe-every", type=ft.layers, default=1, help="with --n-experts: an MoE in every N-th block")
     a("--ep", type=ft.experts, default=1, help="with --n-experts: expert parallelism, the experts spread "
       "over this many ranks, tokens sent to them by all-to-all; the world is dp x ep")
-    a("--pp-schedule", default="1f1b", choices=["gpipe", "1f1b"],
-      help="with --pp: all forwards then all backwards (gpipe), or one forward one backward (1f1b)")
+    a("--pp-schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb-h1"],
+      help="with --pp: all forwards then all backwards (gpipe); one forward one backward (1f1b); "
+           "1f1b over --pp-virtual-stages chunks per stage, the micro-batches in groups of --pp "
+           "(interleaved); 1f1b with each backward split, its weight half deferred (zb-h1)")
+    a("--pp-virtual-stages", type=ft.layers, default=2,
+      help="with --pp-schedule interleaved: chunks per stage (rank r holds chunks r, r + pp, ...)")
     a("--sequence-parallel", action=argparse.BooleanOptionalAction, default=False,
       help="with --tp: layer norms, dropout and the residual stream split over the sequence too")
     a("--grad-accum-steps", type=ft.or_auto(ft.sequences), default=1,
@@ -147,8 +152,8 @@ MAY_CHANGE_ON_RESUME = {"device", "dp", "bucket_cap_mb", "zero_stage", "grad_acc
                         "final_eval_windows", "sample_tokens", "out_dir", "checkpoint_every",
                         "keep_checkpoints", "resume", "debug_collectives",
                         "activation_checkpointing", "memory_budget_gb", "plan",
-                        "tp", "sequence_parallel", "pp", "pp_schedule", "config", "cp", "cp_attention",
-                        "cp_layout", "ep"}  # checkpoints hold full tensors' ranges
+                        "tp", "sequence_parallel", "pp", "pp_schedule", "pp_virtual_stages", "config", "cp",
+                        "cp_attention", "cp_layout", "ep"}  # checkpoints hold full tensors' ranges
 
 
 def resolve_args(args, world_size: int) -> argparse.Namespace:
