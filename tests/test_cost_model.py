@@ -229,7 +229,7 @@ def _stub(name, fail=False):
 def test_all_writes_one_report_and_survives_a_failure(tmp_path, monkeypatch, broken):
     for name in ("collectives", "ddp", "zero", "muon", "checksums"):  # scale is real: it is fast
         monkeypatch.setitem(cli.BENCHMARKS, name, _stub(name, fail=name == broken))
-    for name in ("muon_zero", "tp", "pp", "cp"):  # (their quick runs are tested in tests/test_bench.py)
+    for name in ("muon_zero", "tp", "pp", "cp", "ep"):  # (their quick runs are tested in tests/test_bench.py)
         monkeypatch.setitem(cli.BENCHMARKS, name, _stub(name))
     argv = ["all", "--quick", "--out", str(tmp_path)]
     if broken:

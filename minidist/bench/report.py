@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-ORDER = ("collectives", "ddp", "zero", "muon", "tp", "pp", "cp", "checksums", "scale")
+ORDER = ("collectives", "ddp", "zero", "muon", "tp", "pp", "cp", "ep", "checksums", "scale")
 
 
 class _Tee(io.StringIO):

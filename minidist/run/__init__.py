@@ -4,6 +4,8 @@ teach them (minidist/*.py). Chapter 08 (chapters/08_at_scale.md) describes the r
     flags.py               train_gpt's flags: parsed and checked before any process group;
     flag_types.py          each flag's range, where argparse reads it;
     flag_checks.py         the checks that span several flags, and --config files
+    pipeline_checks.py     the checks of --pp and its schedules (chapter 11)
+    environment.py         the environment variables minidist reads, each checked like a flag
     locks.py               one run per output folder (a lock file beside its outputs)
     shards.py              python -m minidist.run.shards: the corpus as token shards
     checkpoints.py         python -m minidist.run.checkpoints: each checkpoint intact, or damaged and where
