@@ -195,6 +195,8 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
             if step == 0 or last or ending or (step + 1) % args.log_interval == 0 or \
                     (step + 1) % args.eval_interval == 0:
                 row = {"step": step + 1, "loss": loss, "lr": lr}
+                if moe:  # the last micro-step's choices per expert and drops, per MoE block (not evaluation's)
+                    row["experts"] = expert_stats(model)
                 if scaler.enabled:
                     row.update(loss_scale=scaler.get_scale(), skipped_steps=scaler.skipped_steps)
                 rate = tput.rate()  # training only: evaluation below is not counted
@@ -205,8 +207,6 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
                 m = metrics.mfu(fpt, rate, peak, info.world_size)
                 row.update(tokens_per_s=rate, mfu=m, mem_gb=metrics.memory_bytes(info.device) / 1e9,
                            elapsed_s=time.perf_counter() - t_start)
-                if moe:  # the last micro-step's choices per expert, and those dropped, per MoE block
-                    row["experts"] = expert_stats(model)
                 rows.append(row)
                 log(f"step {step + 1:5d}/{args.steps} | loss {row['loss']:.4f}"
                     + (f" | val {row['val_loss']:.4f}" if "val_loss" in row else "")
