@@ -2,7 +2,9 @@
 ranks, one pool call per world size for every case: fp32 SGD and AdamW equal one process on
 the whole batch; bf16 and fp16 compute equal one process that casts the same weights for
 forward and backward and keeps fp32 masters, and equal torch's own fully_shard with the same
-policy; uneven sizes padded; a wrap predicate that shards only linear and embedding layers
+policy; ZeRO-3's optimizer face (FullyShardedOptimizer, train_gpt's --zero-stage 3) with the
+same policy equals both, its checkpoint holds the fp32 masters and resumes to the same bits;
+uneven sizes padded; a wrap predicate that shards only linear and embedding layers
 keeps the rest replicated and in sync (with accumulation, no_sync and clipping); bad input
 refused with a message that says what to do."""
 
@@ -11,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from helpers import micro_batches, tiny_gpt, token_batch
+from minidist.checkpoint import Reader
 
 B, T, V, STEPS = 6, 16, 64, 3  # 6 sequences: a share for each of 2 or 3 ranks
 ACCUM_STEPS = 2  # the replicated case: steps of B // world micro-steps each
@@ -31,11 +34,11 @@ def _is_linear_or_embedding(m):
     return isinstance(m, (nn.Linear, nn.Embedding))
 
 
-def _train(model, opt_name, rank, world, on_first_backward=None):
-    """STEPS steps of this rank's share of each global batch, any torch optimizer on
-    model.parameters() (the shards)."""
-    opt = _optimizer(opt_name, model.parameters())
-    for step in range(STEPS):
+def _train(model, opt_name, rank, world, on_first_backward=None, steps=range(STEPS)):
+    """`steps` of this rank's share of each global batch, any torch optimizer on
+    model.parameters() (the shards), or `opt_name` an optimizer already built."""
+    opt = _optimizer(opt_name, model.parameters()) if isinstance(opt_name, str) else opt_name
+    for step in steps:
         (x, y), = micro_batches(*token_batch(step, B, T, V), rank, world)
         model(x, y)[1].backward()
         if step == 0 and on_first_backward:
@@ -89,6 +92,40 @@ def _torch(policy):
         fully_shard(m, mp_policy=mp)
     _train(model, "sgd", rank, world)
     return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+def _stage3(policy, folder):
+    """FullyShardedOptimizer (ZeRO-3's optimizer face) with param_dtype, SGD on its shards:
+    the dtypes forward computes in and the optimizer steps; the fp32 masters as state_pieces()
+    gives them (what a checkpoint saves), by name; and a checkpoint saved after step 1 of
+    STEPS, loaded into a fresh model and optimizer that take the remaining steps (the masters
+    as pieces again)."""
+    import torch.distributed as dist
+
+    from minidist import checkpoint
+    from minidist.zero import FullyShardedOptimizer
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def build():
+        model = tiny_gpt()
+        cls, kw = OPTIMIZERS["sgd"]
+        return model, FullyShardedOptimizer(model, model.parameters(), cls, param_dtype=LOW[policy], **kw)
+
+    def masters(model, opt):
+        names = {p: n for n, p in model.named_parameters()}
+        return [(names[p], start, t.clone()) for p, start, t in opt.state_pieces()[1]]
+    model, opt = build()
+    seen = {}
+    model.blocks[0].attn.c_attn.register_forward_pre_hook(lambda m, args: seen.setdefault("compute", m.weight.dtype)
+                                                          and None)
+    shards = lambda: {str(t.dtype) for g in opt.param_groups for q in g["params"] for t in (q, q.grad)}
+    _train(model, opt, rank, world, lambda: seen.setdefault("shards", shards()), steps=range(1))
+    checkpoint.save(folder, 1, model, [opt])
+    _train(model, opt, rank, world, steps=range(1, STEPS))
+    resumed, again = build()
+    checkpoint.load(f"{folder}/step_00000001", resumed, [again])
+    _train(resumed, again, rank, world, steps=range(1, STEPS))
+    return {"pieces": masters(model, opt), "resumed": masters(resumed, again), "dtypes": seen}
 
 
 def _replicated():
@@ -145,12 +182,13 @@ def _refused():
     return out
 
 
-def _ranks():
+def _ranks(folder):
     torch.set_num_threads(1)  # as the one-process oracles: fp32 matmul sums in an order set by threads
     out = {("fp32", name): _ours(name) for name in OPTIMIZERS}
     out["kept gathered"] = _ours("sgd", reshard=False)
     for policy in LOW:
         out["ours", policy], out["torch", policy] = _ours("sgd", policy, bare=True), _torch(policy)
+        out["stage 3", policy] = _stage3(policy, f"{folder}/{policy}")
     return {**out, "replicated": _replicated(), "refused": _refused()}
 
 
@@ -197,8 +235,8 @@ def _distance(a: dict, b: dict) -> float:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_fully_shard_and_fsdp_equal_one_process_and_torch(world, pool, oracles):
-    results = pool(world).run(_ranks)
+def test_fully_shard_and_fsdp_equal_one_process_and_torch(world, pool, oracles, tmp_path):
+    results = pool(world).run(_ranks, str(tmp_path))
     for rank, r in enumerate(results):
         for case in [("fp32", "sgd"), ("fp32", "adamw"), "kept gathered"]:  # fp32: sums in another order
             ours, name = r[case], case[1] if isinstance(case, tuple) else "sgd"
@@ -226,6 +264,19 @@ def test_fully_shard_and_fsdp_equal_one_process_and_torch(world, pool, oracles):
             if world == 2:
                 assert all(torch.equal(ours[n], theirs[n]) for n in theirs), policy
             assert _distance(ours, theirs) <= 2 * u * update, policy
+            # ZeRO-3's optimizer face, the same policy: its units are the blocks and the root
+            # (fully_shard's here: wpe apart), so an element's owner, hence at 3 ranks the ring's
+            # order of its sum, differs; at 2 ranks the same bits as fully_shard's
+            stage3 = _assemble(results, ("stage 3", policy), lowp)
+            assert r["stage 3", policy]["dtypes"] == {"compute": dtype, "shards": {"torch.float32"}}
+            assert _distance(stage3, lowp) <= 4 * u * update, policy
+            if world == 2:
+                assert all(torch.equal(stage3[n], ours[n]) for n in ours), policy
+            assert _distance(stage3, ours) <= 2 * u * update, policy
+            resumed = _assemble(results, ("stage 3", policy), lowp, "resumed")  # fp32 masters saved: the same bits
+            assert all(torch.equal(resumed[n], stage3[n]) for n in stage3), policy
+            saved = Reader(tmp_path / policy / "step_00000001").pieces
+            assert {t.dtype for n in lowp for _, t in saved[f"model/{n}"]} == {torch.float32}, policy
         # uneven sizes: every parameter's pieces over the ranks add up to it, padding at 3 ranks
         sizes = {n: sum(q["fp32", "sgd"]["layout"][n] for q in results) for n in r["fp32", "sgd"]["layout"]}
         assert sizes == {n: p.numel() for n, p in oracles["sgd"][0].items()}
@@ -235,6 +286,18 @@ def test_fully_shard_and_fsdp_equal_one_process_and_torch(world, pool, oracles):
                                                      results[0]["fp32", "adamw"]["params"].values()))
     _check_replicated([r["replicated"] for r in results])
     _check_refused(results[0]["refused"])
+
+
+def _assemble(results, case, like, key="pieces") -> dict:
+    """The whole parameters from every rank's pieces (name, start, tensor), each element once."""
+    full = {n: torch.zeros(p.numel()) for n, p in like.items()}
+    count = {n: torch.zeros(p.numel()) for n, p in like.items()}
+    for r in results:
+        for n, start, t in r[case][key]:
+            full[n][start:start + t.numel()] = t
+            count[n][start:start + t.numel()] += 1
+    assert all(bool((c == 1).all()) for c in count.values()), case
+    return {n: full[n].view_as(p) for n, p in like.items()}
 
 
 def _check_replicated(results):

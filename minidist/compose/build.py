@@ -54,12 +54,17 @@ def shard_model(model, mesh=None, sequence_parallel: bool = False, cp_attention:
 def make_optimizers(model, *, lr: float, optimizer: str = "adamw", weight_decay: float = 0.1,
                     zero_stage: int = 0, bucket_cap_mb: float = 25.0, muon_lr: float = 0.02,
                     muon_momentum: float = 0.95, muon_weight_decay: float = 0.0,
-                    muon_ns_coefficients: str = "jordan", group=None) -> list[torch.optim.Optimizer]:
+                    muon_ns_coefficients: str = "jordan", group=None,
+                    param_dtype: torch.dtype | None = None) -> list[torch.optim.Optimizer]:
     """AdamW (weight decay on matrices only), sharded by ZeRO when asked; or, with
     optimizer="muon", Muon for the hidden matrices plus AdamW for the rest (under ZeRO: Muon
     beside it, compose/zero_muon.py; on tensor-parallel shards: compose/tp_muon.py, gathered).
     Each group remembers its peak lr. `group`: the ranks ZeRO shards over and Muon deals its
-    matrices over (on a mesh the data-parallel group; all ranks by default)."""
+    matrices over (on a mesh the data-parallel group; all ranks by default). `param_dtype`:
+    ZeRO-3's mixed-precision policy with AdamW (FullyShardedOptimizer's; chapter 06, appendix F)."""
+    if param_dtype is not None and (zero_stage != 3 or optimizer == "muon" or isinstance(model, Stage)):
+        raise ValueError("param_dtype is ZeRO-3's policy, for AdamW on a whole model: use zero_stage=3 with "
+                         "optimizer='adamw', or param_dtype=None (and autocast)")
     hidden, rest = split_params(model) if optimizer == "muon" else ([], list(model.parameters()))
     groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
@@ -73,7 +78,8 @@ def make_optimizers(model, *, lr: float, optimizer: str = "adamw", weight_decay:
         opts = expert_adamw(groups, experts[1], group, zero_stage, bucket_cap_mb, **adamw)
     elif zero_stage:  # ZeRO averages the gradients itself, with reduce-scatters
         opts = [zero_optimizer(model, groups, torch.optim.AdamW, zero_stage,  # (stage 3 shards
-                               bucket_cap_mb=bucket_cap_mb, others=hidden, group=group, **adamw)]
+                               bucket_cap_mb=bucket_cap_mb, others=hidden, group=group, param_dtype=param_dtype,
+                               **adamw)]
     else:
         opts = [torch.optim.AdamW(groups, **adamw)]
     if hidden:

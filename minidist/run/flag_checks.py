@@ -1,5 +1,5 @@
 """The checks of train_gpt's flags that span several flags (the tensor-parallel, context-parallel
-and expert axes against the world, the model and what is built; the pipeline's are in
+and expert axes against the world, the model and what is built, ZeRO-3's policy; the pipeline's are in
 minidist/run/pipeline_checks.py), --config, a TOML file of
 flags, and the `auto` flags filled in by the planners. Chapter 10 (tensor parallelism),
 chapter 11 (pipelines, recipes, the planner on a mesh) and chapter 09 (the planner) add them;
@@ -200,6 +200,23 @@ def check_experts(p, args, world_size: int) -> None:
             if getattr(args, k) == "auto"]
     if auto:
         p.error(f"{what} with {' '.join(auto)}: the planner does not count experts: give each a value")
+
+
+def check_fsdp_policy(p, args) -> None:
+    """--fsdp-param-dtype, ZeRO-3's mixed-precision policy (chapter 06, appendix F), against what
+    can follow it: ZeRO-3's own fp32 shards, AdamW on them, and loss scaling where fp16 needs it."""
+    d = args.fsdp_param_dtype
+    what = f"--fsdp-param-dtype {d}"
+    if d is not None and args.zero_stage != 3:
+        p.error(f"{what} is ZeRO-3's mixed-precision policy (the parameters gathered in {d}, fp32 master shards): "
+                f"add --zero-stage 3 (not auto: the planner counts fp32 gathers), or use --precision {d} (autocast)")
+    if d is not None and args.optimizer == "muon":  # (the CPU default)
+        p.error(f"{what} with --optimizer muon: Muon keeps whole matrices beside ZeRO-3's fp32 shards "
+                f"(minidist/compose/zero_muon.py), so their gradients would be averaged and summed, and its "
+                f"momentum kept, in {d}: add --optimizer adamw, or drop {what} (--precision {d} autocasts Muon's run)")
+    if d == "fp16" and args.precision != "fp16":
+        p.error(f"{what} computes the gradients in fp16, where small ones underflow to zero without loss scaling: "
+                "add --precision fp16 (dynamic loss scaling, which reads the fp32 gradient shards), or use bf16")
 
 
 def moe_of(args) -> MoEConfig | None:

@@ -19,7 +19,7 @@ from minidist import data
 from minidist.run import flag_types as ft, outputs  # ft: each flag's type and range
 from minidist.run.environment import ENVIRONMENT, check_environment  # noqa: F401 (ENVIRONMENT: its table)
 from minidist.run.flag_checks import (FlagParser, blame_config, check_context_parallel, check_experts, check_model,
-                                      check_tensor_parallel, config_argv, plan_auto)
+                                      check_fsdp_policy, check_tensor_parallel, config_argv, plan_auto)
 from minidist.run.pipeline_checks import check_pipeline
 from minidist.dist import env_world_size
 from minidist.run.locks import in_use_message, lock_holder
@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
       help="autocast dtype of the forward pass; parameters, gradients and optimizer state stay "
            "fp32; fp16 always runs with dynamic loss scaling (minidist.scaler.LossScaler)")
+    a("--fsdp-param-dtype", choices=["bf16", "fp16"],
+      help="with --zero-stage 3 and AdamW: ZeRO-3's mixed-precision policy (FSDP2's param_dtype): parameters "
+           "gathered, forward and backward run, gradients reduce-scattered in it; AdamW steps fp32 master shards")
     a("--loss-scale-init", type=ft.loss_scale, default=2.0**16,
       help="fp16: the first loss scale, 1 to fp32's largest (3.4e38)")
     a("--loss-scale-growth-interval", type=ft.steps, default=2000,
@@ -153,7 +156,7 @@ MAY_CHANGE_ON_RESUME = {"device", "dp", "bucket_cap_mb", "zero_stage", "grad_acc
                         "keep_checkpoints", "resume", "debug_collectives",
                         "activation_checkpointing", "memory_budget_gb", "plan",
                         "tp", "sequence_parallel", "pp", "pp_schedule", "pp_virtual_stages", "config", "cp",
-                        "cp_attention", "cp_layout", "ep"}  # checkpoints hold full tensors' ranges
+                        "cp_attention", "cp_layout", "ep", "fsdp_param_dtype"}  # checkpoints hold full fp32 ranges
 
 
 def resolve_args(args, world_size: int) -> argparse.Namespace:
@@ -191,6 +194,7 @@ def resolve_args(args, world_size: int) -> argparse.Namespace:
     check_tensor_parallel(p, args, world_size)
     check_context_parallel(p, args, world_size)
     check_experts(p, args, world_size)
+    check_fsdp_policy(p, args)  # (after the mesh's checks: each refuses ZeRO-3 where it is not built)
     if "auto" in (args.zero_stage, args.grad_accum_steps, args.activation_checkpointing):
         vars(args).update(plan_auto(p, args, world_size))
     dp = world_size // (args.tp * args.pp * args.cp)  # a replica's tp, cp ranks and stages share its batch
@@ -279,8 +283,9 @@ def agree_across_ranks(settings: dict) -> None:
 
 def optimizer_options(args) -> dict:
     """minidist.compose.build.make_optimizers' keywords, from the flags."""
-    return {k: getattr(args, k) for k in ("optimizer", "lr", "weight_decay", "zero_stage", "bucket_cap_mb", "muon_lr",
-                                          "muon_momentum", "muon_weight_decay", "muon_ns_coefficients")}
+    return {"param_dtype": {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.fsdp_param_dtype),
+            **{k: getattr(args, k) for k in ("optimizer", "lr", "weight_decay", "zero_stage", "bucket_cap_mb",
+                                             "muon_lr", "muon_momentum", "muon_weight_decay", "muon_ns_coefficients")}}
 
 
 def make_scaler(args) -> LossScaler:

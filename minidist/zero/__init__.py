@@ -41,10 +41,14 @@ __all__ = ["ShardedOptimizer", "FullyShardedOptimizer", "zero_optimizer", "Unit"
 def zero_optimizer(model: nn.Module, param_groups, optimizer_class, stage: int, **kwargs):
     """A ShardedOptimizer that averages the gradients itself (stages 1, 2) or a
     FullyShardedOptimizer over `model` (stage 3). `others`: parameters another optimizer
-    (Muon) updates; stage 3 shards them too, stages 1-2 leave them whole."""
+    (Muon) updates; stage 3 shards them too, stages 1-2 leave them whole. `param_dtype`,
+    `reduce_dtype` (stage 3): the mixed-precision policy of its gathers and reduce-scatters."""
     if stage in (1, 2):
         kwargs.pop("prefetch", None)
         kwargs.pop("others", None)
+        if kwargs.pop("param_dtype", None) is not None or kwargs.pop("reduce_dtype", None) is not None:
+            raise ValueError(f"param_dtype and reduce_dtype are ZeRO-3's (it gathers the parameters): "
+                             f"use stage 3, or autocast at stage {stage}")
         return ShardedOptimizer(param_groups, optimizer_class, stage=stage, reduce_gradients=True,
                                 module=model, **kwargs)
     if stage == 3:

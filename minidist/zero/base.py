@@ -206,7 +206,7 @@ class ZeroBase(ShardSync):
         # group i, with the gradient's matching view as .grad (linked for good: zero_grad
         # and the reduce-scatters write into the gradient shards in place)
         shard_groups, self.shard_views = [], []  # (view, its unit, its start in the shard)
-        p0 = units[0].params[0]
+        master = units[0].shard  # (stage 3: the fp32 master, whatever param_dtype)
         for i, g in enumerate(groups):
             views = []
             for u in units:
@@ -217,7 +217,7 @@ class ZeroBase(ShardSync):
                     views.append(v)
                     self.shard_views.append((v, u, a))
             if not views:  # no element of this group on this rank: a placeholder
-                views = [torch.zeros(0, device=p0.device, dtype=p0.dtype)]
+                views = [master.new_zeros(0)]
                 views[0].grad = torch.zeros_like(views[0])
             shard_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": views})
         self.optim = optimizer_class(shard_groups, **defaults)

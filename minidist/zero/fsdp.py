@@ -146,14 +146,9 @@ class ModuleShards:
     def _shard(self, u: Unit, places: list) -> None:
         """u's parameters become gathered tensors (in the compute dtype) over its freed flat
         buffer, and shards (in theirs) over u.shard, registered where the originals were."""
-        originals = list(u.params)
-        u.shard = u.flat[u.lo:u.hi].clone()  # the master shard lives on; the full buffer is freed
-        dtype = self.policy.param_dtype or u.flat.dtype
-        if dtype != u.flat.dtype:  # gathered in the compute dtype: a buffer of its own
-            u.flat = torch.empty(u.flat.numel(), dtype=dtype, device=u.flat.device)
-        u.reduce_dtype = self.policy.reduce_dtype or dtype
-        u.params = [_view_parameter(v, p.requires_grad) for p, v in zip(originals, u.views(u.flat))]
-        u.flat.untyped_storage().resize_(0)
+        originals = list(u.params)  # the master shard lives on; the full buffer, in the compute dtype, is freed
+        views = u.keep_shard(self.policy.param_dtype, self.policy.reduce_dtype)  # (as FullyShardedOptimizer's)
+        u.params = [_view_parameter(v, p.requires_grad) for p, v in zip(originals, views)]
         self.shards[u], offset = [], 0
         for p, where in zip(originals, places):
             a, b = max(offset, u.lo) - u.lo, min(offset + p.numel(), u.hi) - u.lo

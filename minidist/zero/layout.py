@@ -66,7 +66,22 @@ class Unit:
         self.grad_shard = torch.zeros_like(self.shard)  # this rank's averaged gradient
         self.flat_grad = None  # stage 1 only: the full gradients, kept in one flat buffer
         self.ready = 0  # parameters whose gradient is complete in this backward
-        self.reduce_dtype = None  # the gradients' dtype on the wire (fully_shard's policy); None: theirs
+        self.reduce_dtype = None  # the gradients' dtype on the wire (ZeRO-3's policy: keep_shard); None: theirs
+
+    def keep_shard(self, param_dtype=None, reduce_dtype=None) -> list[torch.Tensor]:
+        """ZeRO-3's units (both faces): this rank's shard kept as a tensor of its own, the
+        master in the parameters' dtype; the full buffer, which gathers fill, becomes one of
+        `param_dtype` (a mixed-precision policy's, None: theirs) and is freed. Gradients go
+        on the wire in `reduce_dtype` (None: param_dtype, as torch's). Returns one view per
+        parameter into the buffer: what forward and backward compute with."""
+        self.shard = self.flat[self.lo:self.hi].clone()
+        dtype = param_dtype or self.flat.dtype
+        if dtype != self.flat.dtype:  # a buffer of its own: the cast happens as the shards are sent
+            self.flat = torch.empty(self.flat.numel(), dtype=dtype, device=self.flat.device)
+        self.reduce_dtype = reduce_dtype or dtype
+        views = self.views(self.flat)
+        self.flat.untyped_storage().resize_(0)
+        return views
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """One view per parameter into a flat tensor laid out like this unit's buffer."""

@@ -11,7 +11,8 @@ Gathering and freeing are minidist/zero/base.py's ShardSync, shared with fully_s
 other face of this ZeRO-3, fsdp.py): freeing resizes a unit's flat buffer's storage to
 zero bytes and gathering resizes it back, so the parameters (views into the buffer) and the
 tensors autograd saved for backward stay the same objects. This file adds units per block
-and the hooks that say when.
+and the hooks that say when. `param_dtype`, `reduce_dtype`: fully_shard's mixed-precision
+policy (train_gpt's --fsdp-param-dtype), cast by the same Unit.keep_shard (layout.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.nn as nn
 
 from minidist.ddp import make_buckets
 from minidist.zero.base import ZeroBase
+from minidist.zero.fsdp import MixedPrecisionPolicy
 from minidist.zero.layout import Unit, trainable_in_order
 
 
@@ -34,17 +36,28 @@ class FullyShardedOptimizer(ZeroBase):
     parameters around every forward. `prefetch=False` gathers each block only when needed
     (to measure what prefetch gains). `others`: parameters another optimizer updates from
     the shards (Muon's matrices: minidist/compose/zero_muon.py), sharded and gathered here
-    in units of their own, their gradients left alone. The API is ShardedOptimizer's."""
+    in units of their own, their gradients left alone. The API is ShardedOptimizer's.
+
+    `param_dtype`, `reduce_dtype`: as MixedPrecisionPolicy's. The gathered buffers, hence the
+    module's parameters in forward and backward, are in param_dtype; the inner optimizer
+    steps fp32 master shards; gradients are reduce-scattered in reduce_dtype (default
+    param_dtype) and added into fp32 gradient shards."""
 
     shards_parameters = True
 
     def __init__(self, module: nn.Module, params, optimizer_class, group=None, prefetch: bool = True,
-                 bucket_cap_mb: float | None = 25.0, collectives: str = "torch", others=(), **defaults):
+                 bucket_cap_mb: float | None = 25.0, collectives: str = "torch", others=(),
+                 param_dtype=None, reduce_dtype=None, **defaults):
         self.module, self.prefetch = module, prefetch
+        self.policy = MixedPrecisionPolicy(param_dtype, reduce_dtype)  # (its checks: a float dtype or None)
         self.reduce_gradients = True  # always: it averages the gradients itself, as stage 2
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         groups, group_of, ordered = trainable_in_order(params)
         others = [p for p in dict.fromkeys(others) if p not in group_of]
+        if others and param_dtype not in (None, ordered[0].dtype):
+            raise ValueError(f"param_dtype={param_dtype} with `others`: the other optimizer (Muon) would "
+                             "average, accumulate and keep momentum for its whole matrices in that dtype, "
+                             "outside the fp32 master shards; use one optimizer here, or param_dtype=None")
         make_units = lambda ps, of: [Unit(b, of, self.rank, self.world)
                                      for b in (make_buckets(ps, bucket_cap_mb) if ps else [])]
         mods = list(getattr(module, "blocks", []))
@@ -62,8 +75,8 @@ class FullyShardedOptimizer(ZeroBase):
             self.blocks.append(mine + other)
         self.all_units = self.root + [u for block in self.blocks for u in block]
         for u in self.all_units:  # the shard lives on, as its own tensor; the full buffer does not
-            u.shard = u.flat[u.lo:u.hi].clone()
-            u.flat.untyped_storage().resize_(0)
+            for p, view in zip(u.params, u.keep_shard(param_dtype, reduce_dtype)):
+                p.data = view  # the same parameter, now in the compute dtype (a no-op without one)
         units = [u for u in self.all_units if u not in self.other_units]
         super().__init__(units, groups, optimizer_class, defaults, 3, group, collectives)
         # reduce-scatters in the order backward completes the units: the last block first,
@@ -132,7 +145,8 @@ class FullyShardedOptimizer(ZeroBase):
 
     @contextlib.contextmanager
     def gathered(self):
-        """Every unit gathered, to read, save or copy the full parameters; freed after."""
+        """Every unit gathered, to read or copy the full parameters (in param_dtype: the
+        fp32 masters are the shards, state_pieces()); freed after."""
         was = set(self._gathered)
         self._gather(self.all_units)
         try:
@@ -173,5 +187,5 @@ class FullyShardedOptimizer(ZeroBase):
         params += [(p, start, u.shard[a - u.lo:b - u.lo])  # the other optimizer's: from the shards
                    for u in self.other_units for p, start, a, b in u.pieces(u.lo, u.hi)]
         here = {p for p, _, _ in params}
-        every = [*self._unit_of, *self.other_unit_of]
-        return state, params + [(p, 0, p.new_empty(0)) for p in every if p not in here]
+        every = {**self._unit_of, **self.other_unit_of}  # (empty, in the masters' dtype)
+        return state, params + [(p, 0, u.shard.new_empty(0)) for p, u in every.items() if p not in here]
