@@ -1,7 +1,6 @@
 """The grader: it runs your code, compares what it does with an oracle, and says what differs
 (what it compares, and its one rule, are the README's "Exercises and grading"). Read core,
-apart, ranks, rules (and forbid), cli, then an exercise's checks_NN.py.
-"""
+apart, ranks, rules (and forbid), cli, then an exercise's checks_NN.py."""
 
 from exercises.grader.core import check
 from exercises.grader.ranks import Cache, close, differ, first_problem, per_world_size, run_all
