@@ -61,3 +61,15 @@ def one_process(model, batches, make_optimizer=None) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
     return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def accumulated(model, micro_batches) -> tuple[float, dict]:
+    """One process's gradient accumulation over `micro_batches`, the loss normalised by the
+    target count of all of them (minidist.train.forward_backward's): (mean loss, {name: grad})."""
+    count = sum(int((y != -1).sum()) for _, y in micro_batches)
+    total = 0.0
+    for x, y in micro_batches:
+        _, loss_sum = model(x, y, reduction="sum")
+        (loss_sum.float() * (1 / count)).backward()
+        total += loss_sum.item()
+    return total / count, {n: p.grad for n, p in model.named_parameters()}

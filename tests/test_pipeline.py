@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers import accumulated
 from minidist import pipeline as pl
 from minidist.pipeline import measure as pm
 from minidist.compose.mesh import make_mesh
@@ -92,18 +93,7 @@ def ranks(pool):
 def oracle():
     """{m: (loss, {name: grad})}: one process accumulating over the m micro-batches, the
     loss normalised by the target count of all of them (minidist.train.forward_backward)."""
-    memo = {}
-    for m in MS:
-        model = _full()
-        mbs = _micro_batches(m)
-        count = sum(int((y != -1).sum()) for _, y in mbs)
-        total = 0.0
-        for x, y in mbs:
-            _, loss_sum = model(x, y, reduction="sum")
-            (loss_sum.float() * (1 / count)).backward()
-            total += loss_sum.item()
-        memo[m] = total / count, {n: p.grad for n, p in model.named_parameters()}
-    return memo
+    return {m: accumulated(_full(), _micro_batches(m)) for m in MS}
 
 
 # ---------------------------------------------------------------- the cut

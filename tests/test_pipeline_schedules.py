@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from helpers import accumulated
 from minidist import pipeline as pl
 from minidist.pipeline import measure as pm
 from minidist.pipeline import orders
@@ -137,17 +138,7 @@ def ranks(pool):
 @pytest.fixture(scope="module")
 def oracle():
     """{m: (loss, {name: grad})}: one process accumulating over the m micro-batches."""
-    memo = {}
-    for m in sorted({m for cases in CASES.values() for _, m in cases}):
-        model, mbs = _full(), _micro_batches(m)
-        count = sum(int((y != -1).sum()) for _, y in mbs)
-        total = 0.0
-        for x, y in mbs:
-            _, loss_sum = model(x, y, reduction="sum")
-            (loss_sum.float() * (1 / count)).backward()
-            total += loss_sum.item()
-        memo[m] = total / count, {n: q.grad for n, q in model.named_parameters()}
-    return memo
+    return {m: accumulated(_full(), _micro_batches(m)) for m in sorted({m for c in CASES.values() for _, m in c})}
 
 
 ALL = [(p, sched, m) for p, cases in CASES.items() for sched, m in cases]
