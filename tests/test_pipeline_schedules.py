@@ -115,6 +115,10 @@ def _on_ranks(p: int):
         rec = pm.StepRecord()
         loss = pl.run_schedule(stage, _micro_batches(m), sched, record=rec)
         out[sched, m] = (loss, {n: q.grad.clone() for n, q in stage.named_parameters()}, rec)
+    stage, rec = stages["zb-h1"], pm.StepRecord(count_saved=False)  # a timed step: no byte count
+    stage.zero_grad(set_to_none=True)
+    pl.run_schedule(stage, _micro_batches(CASES[p][-1][1]), "zb-h1", record=rec)
+    out["uncounted"] = ({n: q.grad.clone() for n, q in stage.named_parameters()}, rec)
     for sched, v in (("interleaved", V), ("zb-h1", 1)):  # torch's, on stages of the same weights
         theirs = pl.InterleavedStage(full, None, v)
         out["torch order", sched] = {m: _torch_order(_torch_schedule(sched, theirs, m), rank, p)
@@ -197,6 +201,16 @@ def test_each_rank_ran_its_slots_in_torchs_order(ranks, p):
         for sched, m in CASES[p]:
             assert r[sched, m][2].actions() == _flat(sched, p, m, s), (s, sched, m)
             assert r["torch order", sched][m] == _flat(sched, p, m, s), (s, sched, m)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_a_step_that_does_not_count_saved_bytes_records_the_same_steps_and_gradients(ranks, p):
+    for r in ranks[p]:
+        grads, rec = r["uncounted"]
+        counted = r[CASES[p][-1]]
+        assert rec.saved_bytes == [] and counted[2].saved_bytes
+        assert rec.actions() == counted[2].actions()
+        assert all(torch.equal(g, counted[1][n]) for n, g in grads.items())
 
 
 @pytest.mark.parametrize("p", [2, 4])

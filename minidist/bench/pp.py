@@ -60,8 +60,9 @@ def _micro_batches(cfg: dict, B: int, n: int, seed: int, dev) -> list:
 
 
 def _sweep(cfg: dict, B: int, ms, repeats: int) -> dict | None:
-    """On every stage: each (schedule, m) run `repeats` times after a warm-up; rank 0 gets
-    every stage's records and CPU seconds."""
+    """On every stage: each (schedule, m) run once counting the saved bytes, then `repeats`
+    timed times without (the count's hooks slow a split backward: StepRecord); rank 0 gets
+    every stage's records and CPU seconds, the counted step first."""
     dev, p = rank_device(), dist.get_world_size()
     torch.manual_seed(0)  # the same full model on every stage, cut there
     full = GPT(GPTConfig(**cfg)).to(dev)
@@ -74,9 +75,9 @@ def _sweep(cfg: dict, B: int, ms, repeats: int) -> dict | None:
     for sched, stage in stages.items():
         for m in todo[sched]:
             runs = []
-            for _ in range(repeats):
+            for i in range(repeats + 1):
                 stage.zero_grad(set_to_none=True)
-                rec = StepRecord()
+                rec = StepRecord(count_saved=i == 0)
                 cpu = time.process_time()
                 run_schedule(stage, mbs[:m], sched, record=rec)
                 cpu = time.process_time() - cpu
@@ -165,13 +166,13 @@ def _point(cfg: GPTConfig, B: int, p: int, m: int, sched: str, runs, cores: int)
     """One (p, m, schedule): the bubble, measured (median over the runs) and on the ideal
     timeline, whether another job held a core, and per stage the counted in-flight peaks and
     saved bytes beside the formulas (per chunk, for interleaved)."""
-    bubbles, cpu_share = [], []
-    for every in runs:
+    bubbles, cpu_share, spans = [], [], []
+    for every in runs[1:]:  # the timed steps (the first counted the saved bytes)
         records = [r for r, _ in every]
-        span = max(e.end for r in records for e in r.events)
+        spans.append(max(e.end for r in records for e in r.events))
         bubbles.append(bubble_fraction(records))
-        cpu_share.append(sum(c for _, c in every) / (p * span))
-    records = [r for r, _ in runs[-1]]  # the counts are the same in every run
+        cpu_share.append(sum(c for _, c in every) / (p * spans[-1]))
+    records = [r for r, _ in runs[0]]
     v = V if sched == "interleaved" else 1
     cuts = chunk_layers(cfg.n_layer, p, v) if v > 1 else split_layers(cfg.n_layer, p)
     stages = []
@@ -187,7 +188,7 @@ def _point(cfg: GPTConfig, B: int, p: int, m: int, sched: str, runs, cores: int)
     return dict(p=p, m=m, schedule=sched, bubble=measured, bubbles=bubbles, formula=formula,
                 ratio=measured / formula if formula else None, cpu_share=on_core,
                 shared=on_core < min(1 - measured, cores / p) - 0.1,
-                step_s=max(e.end for r in records for e in r.events), stages=stages)
+                step_s=statistics.median(spans), stages=stages)
 
 
 def run(args) -> dict:
@@ -205,10 +206,13 @@ def run(args) -> dict:
         result["points"] += points
         print(f"\np = {p} stages ({p} processes on {os.cpu_count()} cores), "
               f"{time.perf_counter() - t0:.0f} s; the ideal timeline's bubble beside the measured one")
-        print(f"  {'schedule':>17} {'m':>3} {'ideal':>6} {'measured':>8} {'/ideal':>6} {'step s':>7} {'on core':>7}")
+        print(f"  {'schedule':>17} {'m':>3} {'ideal':>6} {'measured':>8} {'/ideal':>6} {'step s':>7} {'/1F1B':>6} "
+              f"{'on core':>7}")
+        step_1f1b = {pt["m"]: pt["step_s"] for pt in points if pt["schedule"] == "1f1b"}
         for pt in points:
             print(f"  {NAMES[pt['schedule']]:>17} {pt['m']:3d} {pt['formula']:6.3f} {pt['bubble']:8.3f} "
-                  f"{pt['ratio']:6.2f} {pt['step_s']:7.2f} {pt['cpu_share']:7.2f}" + ("  shared" if pt["shared"] else ""))
+                  f"{pt['ratio']:6.2f} {pt['step_s']:7.2f} {pt['step_s'] / step_1f1b[pt['m']]:6.2f} "
+                  f"{pt['cpu_share']:7.2f}" + ("  shared" if pt["shared"] else ""))
         print("  in flight at each schedule's largest m, per stage: peak (chunk,) micro-batches (formula), "
               "peak saved MB (formula)")
         for s in SCHEDULES:
@@ -225,9 +229,10 @@ def run(args) -> dict:
     result["memory_counts_equal_formulas"] = exact
     print(f"\nin-flight micro-batches and saved bytes, every stage, schedule and m: counted "
           f"{'==' if exact else '!='} formula")
-    print("(bubble: 1 - forward and backward time / (p x step time), from the recorded timelines; "
-          "on core: the stages' process CPU seconds / (p x step time), at most cores / p; shared: "
-          "on core 0.1 below 1 - bubble (or cores / p), another job held a core)")
+    print("(bubble: 1 - forward, backward and W time / (p x step time), from the recorded timelines of steps "
+          "that did not count saved bytes; /1F1B: the step's time over 1F1B's at the same m; on core: the "
+          "stages' process CPU seconds / (p x step time), at most cores / p; shared: on core 0.1 below "
+          "1 - bubble (or cores / p), another job held a core)")
     result["versus_torch"] = []
     print("\nagainst torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B) on the same stages: "
           "max |gradient difference|, median step (slowest stage), torch / ours")

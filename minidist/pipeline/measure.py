@@ -51,11 +51,15 @@ def stamp(device: torch.device) -> float:
 
 @dataclass
 class StepRecord(Observer):
-    """What one stage saw during one step (pipeline_step(..., record=this) fills it)."""
+    """What one stage saw during one step (pipeline_step(..., record=this) fills it). With
+    count_saved=False the forwards' saved bytes are not counted: the count's hooks hold every
+    saved tensor through Python, and slow a split backward (ZB-H1's B) the more, the more
+    micro-batches wait for their W (chapter 11's appendix, G): a timed step should not count."""
     stage: int = 0
     stages: int = 1
     events: list = field(default_factory=list)       # Event, in the order they happened
     saved_bytes: list = field(default_factory=list)  # per forward, in order: bytes saved for backward
+    count_saved: bool = True
 
     def order(self) -> list[tuple[str, int]]:
         """The schedule as run: [("F", 0), ("F", 1), ("B", 0), ...]."""
@@ -85,12 +89,12 @@ class StepRecord(Observer):
 
     @contextmanager
     def doing(self, kind: str, mb: int, stage, chunk: int = 0):
-        counted, hooks = count_saved_bytes(stage) if kind == "F" else ([0], nullcontext())
+        counted, hooks = count_saved_bytes(stage) if kind == "F" and self.count_saved else ([0], nullcontext())
         start = stamp(self._device)
         with hooks:
             yield
         self.events.append(Event(kind, mb, start - self._t0, stamp(self._device) - self._t0, chunk))
-        if kind == "F":
+        if kind == "F" and self.count_saved:
             self.saved_bytes.append(counted[0])
 
 

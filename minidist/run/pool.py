@@ -9,8 +9,8 @@ Exercised by `pytest tests/test_dist.py` and by every test that takes the `pool`
 from __future__ import annotations
 
 import atexit
-import os
 
+from minidist.dist import default_timeout_s
 from minidist.run.launch import (check_times, choose_backend, collect_results, dumps, raise_failure, start_ranks,
                                  stop_ranks)
 
@@ -79,5 +79,5 @@ def shared_pool(world_size: int) -> Pool:
     """The Pool of `world_size` ranks that this Python process shares (started on first
     use, stopped at exit): one process start per world size, not one per test."""
     if world_size not in _SHARED:
-        _SHARED[world_size] = Pool(world_size, timeout_s=float(os.environ.get("MINIDIST_TIMEOUT", 120)))
+        _SHARED[world_size] = Pool(world_size, timeout_s=default_timeout_s(120.0))
     return _SHARED[world_size]
