@@ -204,7 +204,7 @@ FLOORS = {
 }
 SAME_FLOOR = {  # module: what it may import on its own floor (besides its own package)
     "run.launch": {"dist"},
-    "run.pool": {"run.launch"},
+    "run.pool": {"run.launch", "dist"},  # dist: MINIDIST_TIMEOUT read as every run reads it
     "launch": {"run.launch"},
     "comm": {"dist", "comm_pipelined"},
     "data": {"files"},

@@ -7,7 +7,9 @@ can attend alone. An all-to-all turns (B, H, T_local, D) sequence shards into (B
 head shards: rank r sends heads block j of its tokens to rank j and receives its own heads
 block of everyone's tokens. Four all-to-alls a step (q, k, v there, the output back), each
 sending (N-1)/N of a slice, however large N is, but N can be no more than the heads.
-The gathered sequence is in rank order, so the causal mask uses the true positions.
+The gathered sequence is in rank order. Contiguous, that is the true order, and attention is
+causal as in one process; zigzag, its tokens are put in true order first (an index of T
+rows) and back after, so no T x T mask is ever made and SDPA keeps its fused causal kernels.
 """
 
 from __future__ import annotations
@@ -71,9 +73,12 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
         raise ValueError(f"ulysses_attention: {q.shape[1]} heads do not split over {n} ranks: use a "
                          f"head count divisible by {n}, or ring_attention / allgather_attention")
     qh, kh, vh = (_SeqToHeads.apply(t, group, n) for t in (q, k, v))
-    mask = None
-    if causal:
+    if causal and layout != "contiguous":  # gathered token i sits at true position order[i]
         T = qh.shape[-2]
-        pos = torch.cat([positions(T, s, n, layout) for s in range(n)]).to(q.device)
-        mask = pos[:, None] >= pos[None, :]
-    return _HeadsToSeq.apply(F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask), group, n)
+        order = torch.cat([positions(T, s, n, layout) for s in range(n)]).to(q.device)
+        inv = torch.argsort(order)  # true position j -> its gathered index
+        out = F.scaled_dot_product_attention(qh[..., inv, :], kh[..., inv, :], vh[..., inv, :],
+                                             is_causal=True)[..., order, :]
+    else:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal)
+    return _HeadsToSeq.apply(out, group, n)
