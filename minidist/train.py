@@ -20,6 +20,18 @@ import torch.distributed as dist
 from minidist.scaler import LossScaler, autocast
 
 
+def target_count(micro_batches, groups=(None,), device=None) -> torch.Tensor:
+    """The target tokens of the global batch, what a step's summed loss is divided by: these
+    micro-batches' (-1 masked), summed over each of `groups` (None: the world; none at all:
+    this rank's own), in float64, exact. Refused if every target is masked."""
+    count = sum((y != -1).sum() for _, y in micro_batches).to(device, torch.float64).reshape(1)
+    for group in groups:
+        dist.all_reduce(count, group=group)
+    if count.item() == 0:
+        raise ValueError("every target in this global batch is masked (-1): nothing to learn from")
+    return count
+
+
 def forward_backward(model, micro_batches, world_size: int, sync=None,
                      scaler: LossScaler | None = None, precision: str = "fp32", group=None) -> float:
     """Gradients of one optimizer step over this rank's micro-batches; returns the loss.
@@ -34,11 +46,7 @@ def forward_backward(model, micro_batches, world_size: int, sync=None,
     `precision`; with a scaler, the loss is multiplied by its scale before backward.
     `group` (chapter 10's mesh): the data-parallel group, of `world_size` ranks.
     """
-    # tokens in the global batch: one tiny collective per step (float64: exact counts)
-    count = sum((y != -1).sum() for _, y in micro_batches).double().reshape(1)
-    dist.all_reduce(count, group=group)
-    if count.item() == 0:
-        raise ValueError("every target in this global batch is masked (-1): nothing to learn from")
+    count = target_count(micro_batches, (group,))  # one tiny collective per step
     total = torch.zeros((), dtype=torch.float64, device=count.device)
     for i, (x, y) in enumerate(micro_batches):
         last = i == len(micro_batches) - 1

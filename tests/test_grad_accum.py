@@ -52,3 +52,15 @@ def test_a_per_micro_batch_mean_would_be_wrong():
         (m(x[sl], y[sl])[1] / K).backward()
     ref = _one_process_grads()
     assert not torch.allclose(m.wte.weight.grad, ref["wte.weight"], rtol=1e-3)
+
+
+def test_the_target_count_is_exact_and_a_batch_with_nothing_to_learn_is_refused():
+    """target_count, shared by forward_backward and both pipeline steps: this rank's own count
+    (no groups) is the unmasked targets, in float64; all masked is a ValueError, before any
+    backward."""
+    from minidist.train import target_count
+    x, y = _batch()
+    assert target_count([(x[:3], y[:3]), (x[3:], y[3:])], ()).item() == (y != -1).sum().item()
+    assert target_count([(x, y)], ()).dtype == torch.float64
+    with pytest.raises(ValueError, match="every target in this global batch is masked"):
+        target_count([(x, torch.full_like(y, -1))], ())

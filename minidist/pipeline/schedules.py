@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from minidist.comm import wait
 from minidist.model import GPT
+from minidist.train import target_count
 
 
 def split_layers(n_layer: int, pp: int) -> list[range]:
@@ -281,12 +282,8 @@ def pipeline_step(stage: Stage, micro_batches, schedule: str = "1f1b", dp_group=
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}: use one of {', '.join(SCHEDULES)}")
     device = next(stage.parameters()).device
-    count = sum((y != -1).sum() for _, y in micro_batches).to(device, torch.float64).reshape(1)
+    count = target_count(micro_batches, () if dp_group is None else (dp_group,), device)
     dp = 1 if dp_group is None else dist.get_world_size(dp_group)
-    if dp_group is not None:
-        dist.all_reduce(count, group=dp_group)
-    if count.item() == 0:
-        raise ValueError("every target in this global batch is masked (-1): nothing to learn from")
     watch = Observer() if record is None else record
     run = _Run(stage, micro_batches, loss_scale * dp / count.item(), watch, amp)
     SCHEDULES[schedule](run, len(micro_batches))

@@ -26,6 +26,7 @@ from minidist.pipeline.interleaved import InterleavedStage
 from minidist.pipeline.orders import SLOTS, talks
 from minidist.pipeline.schedules import SCHEDULES, Observer, Stage, pipeline_step
 from minidist.pipeline.split import backward_input, backward_weights, capture
+from minidist.train import target_count
 
 ALL_SCHEDULES = (*SCHEDULES, *SLOTS)  # the names run_schedule takes
 
@@ -71,12 +72,8 @@ def run_schedule(stage: Stage, micro_batches, schedule: str = "1f1b", dp_group=N
     slots = SLOTS[schedule](stage.stages, v, len(micro_batches), stage.stage)
     # normalised as pipeline_step (and minidist.train.forward_backward) normalise
     device = next(stage.parameters()).device
-    count = sum((y != -1).sum() for _, y in micro_batches).to(device, torch.float64).reshape(1)
+    count = target_count(micro_batches, () if dp_group is None else (dp_group,), device)
     dp = 1 if dp_group is None else dist.get_world_size(dp_group)
-    if dp_group is not None:
-        dist.all_reduce(count, group=dp_group)
-    if count.item() == 0:
-        raise ValueError("every target in this global batch is masked (-1): nothing to learn from")
     run = _SlotRun(stage, micro_batches, loss_scale * dp / count.item(), Quiet() if record is None else record, amp)
     run.run(slots)
     stage.allreduce_tied_grads()
