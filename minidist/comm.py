@@ -13,8 +13,6 @@ additions hide behind transfers. Half precision is rounded once per hop, as NCCL
 
 from __future__ import annotations
 
-from collections import Counter
-from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -22,13 +20,13 @@ import torch.distributed as dist
 
 from minidist.comm_pipelined import pipelined_ring
 from minidist.dist import default_timeout_s, group_timeout
+from minidist.metrics import Tallies
 
 # ------------------------------------------------------------------ counting, messages
 
-_counters: list[Counter] = []
+_sent = Tallies()  # count_bytes's
 
 
-@contextmanager
 def count_bytes():
     """Count the bytes this rank sends, per collective name, while the block runs:
 
@@ -38,19 +36,13 @@ def count_bytes():
 
     Contexts nest: every open one counts.
     """
-    c = Counter()
-    _counters.append(c)
-    try:
-        yield c
-    finally:  # by identity: list.remove compares Counters by value, and two may be equal
-        del _counters[next(i for i, o in enumerate(_counters) if o is c)]
+    return _sent.counting()
 
 
 def _isend(t: torch.Tensor, dst: int, name: str):
     """Post a send of t to rank dst on behalf of collective `name`. Every send in this
     module goes through here, and this is the one place that counts bytes."""
-    for c in _counters:
-        c[name] += t.numel() * t.element_size()
+    _sent.add(name, t.numel() * t.element_size())
     return dist.isend(t, dst)
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from collections import Counter
+from contextlib import contextmanager
 
 import torch
 
@@ -85,3 +87,25 @@ class Throughput:
         r = self.tokens / dt if dt > 0 else 0.0
         self.tokens, self.t0 = 0, time.perf_counter()
         return r
+
+
+class Tallies:
+    """Counters that code adds to while they are open: `with tallies.counting() as c:` opens
+    one (they nest, and every open one counts), `tallies.add(name, n)` adds n to each.
+    minidist.comm.count_bytes and minidist.context_parallel.count_work are two of them."""
+
+    def __init__(self):
+        self.open: list[Counter] = []
+
+    @contextmanager
+    def counting(self):
+        c = Counter()
+        self.open.append(c)
+        try:
+            yield c
+        finally:  # by identity: list.remove compares Counters by value, and two may be equal
+            del self.open[next(i for i, o in enumerate(self.open) if o is c)]
+
+    def add(self, name: str, n: int) -> None:
+        for c in self.open:
+            c[name] += n

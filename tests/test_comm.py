@@ -190,5 +190,17 @@ def test_byte_counters_nest_even_when_their_counts_are_equal():
         with comm.count_bytes() as inner:
             pass
         assert inner == outer == {}
-        assert [c for c in comm._counters if c is outer] and not [c for c in comm._counters if c is inner]
-    assert not comm._counters
+        assert [c for c in comm._sent.open if c is outer] and not [c for c in comm._sent.open if c is inner]
+    assert not comm._sent.open
+
+
+def test_work_counters_nest_too():
+    """count_work keeps its counters as count_bytes does (minidist.metrics.Tallies): after an
+    inner context with the outer's (empty) count closes, the outer one still counts."""
+    from minidist.context_parallel.work import count_work, record_work
+    with count_work() as outer:
+        with count_work() as inner:
+            record_work("ring_attention", 0)
+        record_work("ring_attention", 5)
+    record_work("ring_attention", 7)  # none open: counted nowhere
+    assert outer == {"ring_attention": 5} and inner == {"ring_attention": 0}

@@ -206,7 +206,7 @@ SAME_FLOOR = {  # module: what it may import on its own floor (besides its own p
     "run.launch": {"dist"},
     "run.pool": {"run.launch", "dist"},  # dist: MINIDIST_TIMEOUT read as every run reads it
     "launch": {"run.launch"},
-    "comm": {"dist", "comm_pipelined"},
+    "comm": {"dist", "comm_pipelined", "metrics"},  # metrics: Tallies, the counters count_bytes keeps
     "data": {"files"},
     "ddp": {"sync"},
     "cost_model": {"model"},

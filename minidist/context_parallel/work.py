@@ -9,15 +9,12 @@ the size of one rank's slice of q, k or v.
 
 from __future__ import annotations
 
-from collections import Counter
-from contextlib import contextmanager
-
 from minidist.cost_model import SENT_FRACTION
+from minidist.metrics import Tallies
 
-_counters: list[Counter] = []
+_work = Tallies()  # count_work's
 
 
-@contextmanager
 def count_work():
     """Count the score entries each attention computes on this rank while the block runs:
 
@@ -25,17 +22,11 @@ def count_work():
             ring_attention(q, k, v, group)
         work["ring_attention"]   # entries per (batch row, head)
     """
-    c = Counter()
-    _counters.append(c)
-    try:
-        yield c
-    finally:
-        _counters.remove(c)
+    return _work.counting()
 
 
 def record_work(name: str, entries: int) -> None:
-    for c in _counters:
-        c[name] += entries
+    _work.add(name, entries)
 
 
 def ring_work(T: int, n: int, rank: int, layout: str, causal: bool = True) -> int:
