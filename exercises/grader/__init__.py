@@ -4,7 +4,7 @@ apart, ranks, rules (and forbid), cli, then an exercise's checks_NN.py."""
 
 from exercises.grader.core import check
 from exercises.grader.ranks import Cache, close, differ, first_problem, per_world_size, run_all
-from exercises.grader.rules import Rules, events, oracle
+from exercises.grader.rules import Rules, events, oracle, randn, ring_direction
 
 __all__ = ["Cache", "Rules", "check", "close", "differ", "events", "first_problem", "oracle", "per_world_size",
-           "run_all"]
+           "randn", "ring_direction", "run_all"]

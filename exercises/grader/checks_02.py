@@ -10,7 +10,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from exercises.grader import Cache, Rules, check, events, first_problem, per_world_size, run_all
+from exercises.grader import Cache, Rules, check, events, first_problem, per_world_size, ring_direction, run_all
 from minidist import comm
 
 WORLD_SIZES = (2, 3)  # 3 is the smallest ring where the direction matters
@@ -80,21 +80,6 @@ def _chunk_sizes(n: int) -> list[list[int]]:
     return cases + [[3 + 5 * (n - i) for i in range(n)]]
 
 
-def _direction(what: str, start: int, r: int, n: int) -> str | None:
-    """None when every message of the code under test since events()[start] went to the
-    right neighbour or came from the left one, else the first that did not."""
-    right, left = (r + 1) % n, (r - 1) % n
-    for e in events()[start:]:
-        if e.kind == "send" and e.peer != right:
-            return (f"{what} on {n} ranks: rank {r} sent {e.sent} bytes to rank {e.peer} at "
-                    f"{e.where}; in the ring it sends only to rank {right}, (r+1) % N")
-        if e.kind == "recv" and e.peer != left:
-            src = "any source" if e.peer is None else f"rank {e.peer}"
-            return (f"{what} on {n} ranks: rank {r} received from {src} at {e.where}; in "
-                    f"the ring it receives only from rank {left}, (r-1) % N")
-    return None
-
-
 # --------------------------------------------------------------------- the parts, on every rank
 
 def _reduce_scatter_part(fns: dict, r: int, n: int) -> dict:
@@ -111,7 +96,7 @@ def _reduce_scatter_part(fns: dict, r: int, n: int) -> dict:
         else:
             problems.append(_sum_problem(mine, exact[lo:lo + sizes[r]], scale[lo:lo + sizes[r]],
                                          n, where))
-    return {"problems": problems, "direction": _direction("ring_reduce_scatter", start, r, n)}
+    return {"problems": problems, "direction": ring_direction("ring_reduce_scatter", start, r, n)}
 
 
 def _all_gather_part(fns: dict, r: int, n: int) -> dict:
@@ -138,7 +123,7 @@ def _all_gather_part(fns: dict, r: int, n: int) -> dict:
             inplace = "; receive into the list's tensor, in place" if chunks[i] is not got else ""
             problems.append(f"{n} ranks, chunk sizes {sizes}: rank {r}'s chunks[{i}] {what}{inplace}")
             break
-    return {"problems": problems, "direction": _direction("ring_all_gather", start, r, n)}
+    return {"problems": problems, "direction": ring_direction("ring_all_gather", start, r, n)}
 
 
 # float32 from 1 element (fewer than ranks) to a prime number of them, one every world
@@ -169,7 +154,7 @@ def _all_reduce_part(fns: dict, r: int, n: int) -> dict:
                 sent[e.peer] += e.sent
         out["bytes"].append({"where": where, "S": t.numel() * t.element_size(), "sent": dict(sent),
                              "chunks": [c.numel() * t.element_size() for c in t.reshape(-1).tensor_split(n)]})
-    out["direction"] = _direction("all_reduce", start, r, n)
+    out["direction"] = ring_direction("all_reduce", start, r, n)
     return out
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import minidist.tensor_parallel.cost
 import minidist.tensor_parallel.gpt
 import minidist.tensor_parallel.layers
-from exercises.grader import Cache, Rules, check, differ, events, first_problem, per_world_size, run_all
+from exercises.grader import Cache, Rules, check, differ, events, first_problem, per_world_size, randn, run_all
 
 WORLD_SIZES = (2, 3)
 TIMEOUT_S = 20.0  # a rank that waits this long for the others is hung
@@ -41,11 +41,6 @@ RULES = Rules(
 
 
 # --------------------------------------------------------------------- helpers
-
-def _randn(seed: int, *shape) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
 
 _WORDS = {"all_reduce": "all-reduce", "all_gather": "all-gather", "all_gather_into_tensor": "all-gather",
           "reduce_scatter": "reduce-scatter", "reduce_scatter_tensor": "reduce-scatter"}
@@ -108,7 +103,7 @@ P_DROP, SEED = 0.5, 1234
 
 def _sp_setup(r: int, n: int):
     pos, hid = _block(T, r, n), _block(HID, r, n)
-    x, w_fc, w_proj = _randn(600, B, T, C), _randn(601, HID, C) * 0.5, _randn(602, C, HID) * 0.5
+    x, w_fc, w_proj = randn(600, B, T, C), randn(601, HID, C) * 0.5, randn(602, C, HID) * 0.5
     return pos, hid, x, w_fc, w_proj
 
 
@@ -118,7 +113,7 @@ def _mlp(x, w_fc, w_proj):
 
 def _sp_grad_part(fns: dict, r: int, n: int) -> dict:
     pos, hid, x_full, w_fc, w_proj = _sp_setup(r, n)
-    gy = _randn(603, B, T, C)
+    gy = randn(603, B, T, C)
     xo, ao, bo = (t.clone().requires_grad_() for t in (x_full, w_fc, w_proj))
     want = xo + _mlp(xo, ao, bo)
     want.backward(gy)
@@ -221,7 +216,7 @@ def _ce_collectives(impl):
     "order query, key, value; cut the bias the same way."])
 def _qkv(impl):
     Cq, H = 24, 6
-    x = _randn(800, B, 5, Cq)
+    x = randn(800, B, 5, Cq)
     with torch.no_grad():
         for bias, t in ((bias, t) for bias in (True, False) for t in (1, 2, 3, 6)):
             torch.manual_seed(8)

@@ -5,9 +5,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from exercises.grader import Rules, check, differ, events, first_problem, per_world_size, run_all
-from exercises.grader.checks_02 import _direction
-from exercises.grader.checks_10 import _randn
+from exercises.grader import Rules, check, differ, events, first_problem, per_world_size, randn, ring_direction, run_all
 from minidist.context_parallel.layout import positions
 
 WORLD_SIZES, TIMEOUT_S, T = (2, 3), 20.0, 12  # 12 tokens: N or 2N chunks at N = 2, 3
@@ -17,7 +15,7 @@ RULES = Rules(frozenset({"send", "recv"}), "exercise 12 moves K and V by send/re
               "the whole K, V to attend to it is the all-gather way, not the ring", {
                   "torch.distributed.tensor.experimental:context_parallel": "write the ring yourself",
                   **{f"minidist.context_parallel.{t}": _OURS for t in _MINE}})
-_qkv = lambda seed, t: [_randn(seed + i, 1, 2, t, 4) for i in range(3)]  # noqa: E731 - q, k, v: (B, H, t, D)
+_qkv = lambda seed, t: [randn(seed + i, 1, 2, t, 4) for i in range(3)]  # noqa: E731 - q, k, v: (B, H, t, D)
 
 
 def reference_zigzag_attention(q, k, v, rank, n):  # the draft's answer: the mask from minidist's true positions
@@ -58,7 +56,7 @@ def _ring_part(fns: dict, r: int, n: int) -> list:
         call, most = f"ring_attention(causal={causal}, layout={layout!r})", (n - 1) * 2 * k.nbytes // n
         where, sent = f"on {n} ranks, rank {r}, {call} (positions {mine.tolist()})", sum(e.sent for e in events()[k0:])
         problems.append(differ(f"{where}: the output", got, F.scaled_dot_product_attention(
-            q, k, v, is_causal=causal)[:, :, mine], "SDPA's on the whole sequence") or _direction(call, k0, r, n) or (
+            q, k, v, is_causal=causal)[:, :, mine], "SDPA's on the whole sequence") or ring_direction(call, k0, r, n) or (
             None if sent <= most else f"{where}: it sent {sent} bytes, want at most {most} (N-1 blocks of K, V)"))
     return problems
 

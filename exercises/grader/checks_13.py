@@ -6,8 +6,7 @@ import copy
 import torch
 import torch.distributed as dist
 
-from exercises.grader import Rules, check, differ, events, first_problem, oracle, per_world_size, run_all
-from exercises.grader.checks_10 import _randn
+from exercises.grader import Rules, check, differ, events, first_problem, oracle, per_world_size, randn, run_all
 from minidist.compose.expert_sync import sum_then_scale, expert_groups
 from minidist.experts import ExpertParallelMoE, MoE, MoEConfig, MoEGPT, expert_parallel
 from minidist.model import GPTConfig
@@ -46,7 +45,7 @@ def _cases():  # (where, x, experts, keep, gates): k distinct experts a token, n
 def _same(where, got, want, inputs: dict):  # got == want, and the gradients of (got * w).sum() == want's
     if (problem := differ(f"{where}: the output", got, want)) or not got.requires_grad:
         return problem or f"{where}: the output does not require grad: backward cannot reach {', '.join(inputs)}"
-    w, zero = _randn(1399, *want.shape), lambda g, t: torch.zeros_like(t) if g is None else g  # noqa: E731
+    w, zero = randn(1399, *want.shape), lambda g, t: torch.zeros_like(t) if g is None else g  # noqa: E731
     got, want = (torch.autograd.grad((y * w).sum(), list(inputs.values()), allow_unused=True) for y in (got, want))
     return next(filter(None, (differ(f"{where}: the gradient of {k}", zero(g, t), zero(v, t))
                               for (k, t), g, v in zip(inputs.items(), got, want))), None)
@@ -85,7 +84,7 @@ def _combine(impl):
 def _ep_part(fns, r: int, n: int) -> list:  # per case: every rank's rows from seeds; this rank's beside one process
     problems = []
     for case, counts in enumerate([[[3, 0, 2, 4], [1, 2, 0, 5]], [[2, 3, 0, 0], [0, 4, 1, 2]], [[0] * 4, [2, 1, 3, 2]]]):
-        xs, ws = ([_randn(1320 + 10 * case + 5 * i + s, sum(c), C) for s, c in enumerate(counts)] for i in (0, 1))
+        xs, ws = ([randn(1320 + 10 * case + 5 * i + s, sum(c), C) for s, c in enumerate(counts)] for i in (0, 1))
         torch.manual_seed(13)
         full = MoE(C, 4, hidden=8)  # one process runs every expert on every rank's rows, [rank][expert] of them
         layer, k0 = ExpertParallelMoE(copy.deepcopy(full), dist.group.WORLD, dist.group.WORLD), len(events())

@@ -109,6 +109,25 @@ def events() -> list[Event]:
     return w.events
 
 
+def ring_direction(what: str, start: int, r: int, n: int) -> str | None:
+    """None when every message of the code under test since events()[start] went to the
+    right neighbour or came from the left one, else the first that did not."""
+    right, left = (r + 1) % n, (r - 1) % n
+    for e in events()[start:]:
+        if e.kind == "send" and e.peer != right:
+            return (f"{what} on {n} ranks: rank {r} sent {e.sent} bytes to rank {e.peer} at "
+                    f"{e.where}; in the ring it sends only to rank {right}, (r+1) % N")
+        if e.kind == "recv" and e.peer != left:
+            src = "any source" if e.peer is None else f"rank {e.peer}"
+            return (f"{what} on {n} ranks: rank {r} received from {src} at {e.where}; in "
+                    f"the ring it receives only from rank {left}, (r-1) % N")
+    return None
+
+
+def randn(seed: int, *shape) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
 @contextmanager
 def watch(rules: Rules | None):
     """Record and judge the code under test for the length of the block (see above)."""
