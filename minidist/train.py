@@ -24,12 +24,24 @@ def target_count(micro_batches, groups=(None,), device=None) -> torch.Tensor:
     """The target tokens of the global batch, what a step's summed loss is divided by: these
     micro-batches' (-1 masked), summed over each of `groups` (None: the world; none at all:
     this rank's own), in float64, exact. Refused if every target is masked."""
+    if not micro_batches:
+        raise ValueError("no micro-batches to step on: give at least one (x, y)")
     count = sum((y != -1).sum() for _, y in micro_batches).to(device, torch.float64).reshape(1)
     for group in groups:
         dist.all_reduce(count, group=group)
     if count.item() == 0:
         raise ValueError("every target in this global batch is masked (-1): nothing to learn from")
     return count
+
+
+def micro_batch_shape(micro_batches) -> tuple:
+    """The (b, T) that every micro-batch's x and y share, as a pipeline's receive buffers need
+    (sized from it before anything arrives); a ValueError naming the shapes otherwise."""
+    shapes = sorted({tuple(t.shape) for mb in micro_batches for t in mb})
+    if len(shapes) != 1 or len(shapes[0]) != 2:
+        raise ValueError(f"pipeline micro-batches must all be (x, y) of one shape (b, T), got {shapes or 'none'}: "
+                         "pad the short ones or drop them")
+    return shapes[0]
 
 
 def forward_backward(model, micro_batches, world_size: int, sync=None,

@@ -119,6 +119,12 @@ def _on_ranks(p: int):
     stage.zero_grad(set_to_none=True)
     pl.run_schedule(stage, _micro_batches(CASES[p][-1][1]), "zb-h1", record=rec)
     out["uncounted"] = ({n: q.grad.clone() for n, q in stage.named_parameters()}, rec)
+    x, y = _micro_batches(1)[0]  # refused before any message: none, or of two shapes
+    for sched, stage in (("1f1b", pl.Stage(full)), *stages.items()):
+        for what, mbs in (("empty", []), ("ragged", [(x, y)] * 3 + [(x[:1], y[:1])])):  # 4: groups of p
+            with pytest.raises(ValueError) as e:
+                pl.run_schedule(stage, mbs, sched)
+            out["said", sched, what] = str(e.value)
     for sched, v in (("interleaved", V), ("zb-h1", 1)):  # torch's, on stages of the same weights
         theirs = pl.InterleavedStage(full, None, v)
         out["torch order", sched] = {m: _torch_order(_torch_schedule(sched, theirs, m), rank, p)
@@ -201,6 +207,15 @@ def test_each_rank_ran_its_slots_in_torchs_order(ranks, p):
         for sched, m in CASES[p]:
             assert r[sched, m][2].actions() == _flat(sched, p, m, s), (s, sched, m)
             assert r["torch order", sched][m] == _flat(sched, p, m, s), (s, sched, m)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_no_micro_batches_or_ragged_ones_are_refused_on_every_stage(ranks, p):
+    for r in ranks[p]:
+        for sched in ("1f1b", "interleaved", "zb-h1"):
+            assert r["said", sched, "empty"] == "no micro-batches to step on: give at least one (x, y)"
+            assert r["said", sched, "ragged"].startswith(
+                f"pipeline micro-batches must all be (x, y) of one shape (b, T), got [(1, {T}), (2, {T})]")
 
 
 @pytest.mark.parametrize("p", [2, 4])

@@ -31,9 +31,9 @@ def interleaved_slots(p: int, v: int, m: int, rank: int) -> list[list[tuple]]:
     the backwards left. The groups of p need m divisible by p. (torch's ScheduleInterleaved1F1B
     and today's Megatron warm up so for every m; older Megatron ran all forwards first at m = p.)"""
     if m < 1 or m % p:
-        lower, upper = max(p, m - m % p), m - m % p + p
+        near = sorted({max(p, m - m % p), m - m % p + p})
         raise ValueError(f"interleaved 1F1B takes micro-batches in groups of p = {p} (Megatron's order): "
-                         f"got {m}; use {lower} or {upper} (--grad-accum-steps)")
+                         f"got {m}; use {' or '.join(map(str, near))} (--grad-accum-steps)")
     total = m * v
     warmup = min((v - 1) * p + 2 * (p - 1 - rank), total)
 

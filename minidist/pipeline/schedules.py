@@ -29,7 +29,7 @@ import torch.nn as nn
 
 from minidist.comm import wait
 from minidist.model import GPT
-from minidist.train import target_count
+from minidist.train import micro_batch_shape, target_count
 
 
 def split_layers(n_layer: int, pp: int) -> list[range]:
@@ -179,7 +179,7 @@ class _Run:
     def __init__(self, stage: Stage, micro_batches, scale: float, watch: Observer, amp=nullcontext):
         self.s, self.mbs, self.scale, self.watch, self.amp = stage, micro_batches, scale, watch, amp
         p = next(stage.parameters())
-        self.shape = stage.activation_shape(*micro_batches[0][0].shape)
+        self.shape = stage.activation_shape(*micro_batch_shape(micro_batches))
         self.dtype, self.device = p.dtype, p.device
         self.inputs, self.outputs, self.grads = {}, {}, {}  # by micro-batch
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=p.device)

@@ -26,7 +26,7 @@ from minidist.pipeline.interleaved import InterleavedStage
 from minidist.pipeline.orders import SLOTS, talks
 from minidist.pipeline.schedules import SCHEDULES, Observer, Stage, pipeline_step
 from minidist.pipeline.split import backward_input, backward_weights, capture
-from minidist.train import target_count
+from minidist.train import micro_batch_shape, target_count
 
 ALL_SCHEDULES = (*SCHEDULES, *SLOTS)  # the names run_schedule takes
 
@@ -69,10 +69,10 @@ def run_schedule(stage: Stage, micro_batches, schedule: str = "1f1b", dp_group=N
     if schedule == "zb-h1" and any(getattr(b, "recompute", None) is not None for b in stage.blocks.values()):
         raise ValueError("zb-h1 splits the backward by the layers' outputs, which recomputation would "
                          "make again: drop activation checkpointing, or use 1f1b")
-    slots = SLOTS[schedule](stage.stages, v, len(micro_batches), stage.stage)
     # normalised as pipeline_step (and minidist.train.forward_backward) normalise
     device = next(stage.parameters()).device
     count = target_count(micro_batches, () if dp_group is None else (dp_group,), device)
+    slots = SLOTS[schedule](stage.stages, v, len(micro_batches), stage.stage)
     dp = 1 if dp_group is None else dist.get_world_size(dp_group)
     run = _SlotRun(stage, micro_batches, loss_scale * dp / count.item(), Quiet() if record is None else record, amp)
     run.run(slots)
@@ -95,7 +95,8 @@ class _SlotRun:
         self.last = self.p * self.v - 1
         self.ranks = dist.get_process_group_ranks(dist.group.WORLD if stage.group is None else stage.group)
         p = next(stage.parameters())
-        self.shape, self.dtype, self.device = stage.activation_shape(*micro_batches[0][0].shape), p.dtype, p.device
+        self.shape = stage.activation_shape(*micro_batch_shape(micro_batches))
+        self.dtype, self.device = p.dtype, p.device
         self.inputs, self.outputs, self.grads, self.noted, self.pending, self.ready = {}, {}, {}, {}, {}, {}
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=p.device)
         watch.begin(stage)
