@@ -119,7 +119,8 @@ def test_parameters_and_flops_follow_the_formulas():
 
 
 @pytest.mark.parametrize("bad", [dict(n_experts=0), dict(n_experts=4, top_k=5), dict(capacity_factor=-1),
-                                 dict(every=0), dict(aux_loss_weight=-0.1)])
+                                 dict(every=0), dict(aux_loss_weight=-0.1), dict(capacity_factor=float("nan")),
+                                 dict(aux_loss_weight=float("inf"))])
 def test_bad_moe_configs_are_refused(bad):
     with pytest.raises(ValueError, match="must|need"):
         MoEConfig(**bad)

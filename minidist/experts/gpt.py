@@ -11,6 +11,8 @@ token and the router) are what a token's FLOPs cost, chapter 01's 6N with N the 
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass
 
 import torch
@@ -33,8 +35,8 @@ class MoEConfig:
         if self.n_experts < 1 or not 1 <= self.top_k <= self.n_experts:
             raise ValueError(f"need n_experts >= 1 and 1 <= top_k <= n_experts, got n_experts="
                              f"{self.n_experts}, top_k={self.top_k}")
-        if self.capacity_factor < 0 or self.aux_loss_weight < 0 or self.every < 1:
-            raise ValueError("capacity_factor and aux_loss_weight must be >= 0 and every >= 1, got "
+        if not (0 <= self.capacity_factor < math.inf and 0 <= self.aux_loss_weight < math.inf) or self.every < 1:
+            raise ValueError("capacity_factor and aux_loss_weight must be finite and >= 0, every >= 1, got "
                              f"{self.capacity_factor}, {self.aux_loss_weight}, {self.every}")
 
     def to_dict(self) -> dict:
