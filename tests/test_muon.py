@@ -150,6 +150,9 @@ def test_muon_refuses_what_it_cannot_optimise():
         Muon([torch.nn.Parameter(torch.zeros(4))])
     with pytest.raises(ValueError, match="adjust_lr_fn"):
         Muon(_params(), adjust_lr_fn="rms")
+    for bad in (dict(lr=-1.0), dict(lr=float("nan")), dict(momentum=1.0), dict(weight_decay=float("inf"))):
+        with pytest.raises(ValueError, match="need a finite lr >= 0"):  # nan passes every comparison
+            Muon(_params(), **bad)
 
 
 def _distributed():

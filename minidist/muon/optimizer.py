@@ -49,8 +49,8 @@ class Muon(torch.optim.Optimizer):
                  weight_decay: float = 0.0, ns_steps: int = 5, adjust_lr_fn: str | None = None,
                  ns_dtype: torch.dtype = torch.bfloat16, group=None, bucket_mb: float = 4.0,
                  ns_coefficients="jordan", batched: bool = True):
-        if lr < 0 or not 0 <= momentum < 1 or weight_decay < 0 or ns_steps < 1:
-            raise ValueError(f"need lr >= 0, 0 <= momentum < 1, weight_decay >= 0, ns_steps >= 1; "
+        if not (0 <= lr < math.inf and 0 <= momentum < 1 and 0 <= weight_decay < math.inf) or ns_steps < 1:
+            raise ValueError(f"need a finite lr >= 0, 0 <= momentum < 1, a finite weight_decay >= 0, ns_steps >= 1; "
                              f"got {lr}, {momentum}, {weight_decay}, {ns_steps}")
         adjust_lr(1.0, (1, 1), adjust_lr_fn)  # rejects an unknown name now, not at step 1
         schedule(ns_coefficients, ns_steps)  # likewise an unknown coefficient choice
