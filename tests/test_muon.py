@@ -11,6 +11,7 @@ import torch
 from minidist import train_gpt
 from minidist.model import GPT, GPTConfig
 from minidist.muon import NS_COEFFICIENTS, Muon, check_routing, newton_schulz, split_params
+from minidist.muon.plain import PlainMuon
 from minidist.muon.orthogonalize import POLAR_EXPRESS, POLAR_EXPRESS_MARGIN, newton_schulz_many
 
 
@@ -151,8 +152,9 @@ def test_muon_refuses_what_it_cannot_optimise():
     with pytest.raises(ValueError, match="adjust_lr_fn"):
         Muon(_params(), adjust_lr_fn="rms")
     for bad in (dict(lr=-1.0), dict(lr=float("nan")), dict(momentum=1.0), dict(weight_decay=float("inf"))):
-        with pytest.raises(ValueError, match="need a finite lr >= 0"):  # nan passes every comparison
-            Muon(_params(), **bad)
+        for kind in (Muon, PlainMuon):
+            with pytest.raises(ValueError, match="need a finite lr >= 0"):  # nan passes every comparison
+                kind(_params(), **bad)
 
 
 def _distributed():

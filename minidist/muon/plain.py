@@ -49,6 +49,9 @@ class PlainMuon(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                  weight_decay: float = 0.0, ns_steps: int = 5, ns_dtype: torch.dtype = torch.bfloat16,
                  group=None):
+        if not (0 <= lr < math.inf and 0 <= momentum < 1 and 0 <= weight_decay < math.inf) or ns_steps < 1:
+            raise ValueError(f"need a finite lr >= 0, 0 <= momentum < 1, a finite weight_decay >= 0, ns_steps >= 1; "
+                             f"got {lr}, {momentum}, {weight_decay}, {ns_steps}")
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov,
                                       weight_decay=weight_decay, ns_steps=ns_steps))
         self.ns_dtype, self.group = ns_dtype, group
