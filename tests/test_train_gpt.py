@@ -193,10 +193,15 @@ BAD_FLAGS = [
     (["--pp", "2", "--pp-schedule", "interleaved", "--n-layer", "4", "--grad-accum-steps", "auto", "--batch-size", "3"],
      "the planner: 3 sequences over 1 data-parallel ranks do not split into any micro-batches in interleaved"),
     (["--pp", "2", "--pp-virtual-stages", "3"], "add --pp-schedule interleaved"),
+    (["--pp-schedule", "zb-h1"], "--pp-schedule zb-h1 orders the stages of a pipeline and this run has one "
+     "stage (--pp 1): add --pp 2 or more, or drop --pp-schedule"),
+    (["--pp-virtual-stages", "4"], "add --pp 2 or more, or drop --pp-virtual-stages"),
     (["--pp", "2", "--pp-schedule", "zb-h1", "--activation-checkpointing", "blocks"],
      "drop --activation-checkpointing, or use --pp-schedule 1f1b"),
     # chapter 12: what context parallelism refuses, before any work
     (["--cp", "3"], "--cp 3 does not divide the world of 2 ranks"),
+    (["--cp-attention", "ulysses", "--cp-layout", "contiguous"], "--cp-attention ulysses --cp-layout contiguous "
+     "splits a sequence over cp ranks and this run has --cp 1: add --cp 2 or more, or drop it"),
     (["--cp", "2", "--tp", "2"], "--cp 2 with --tp is not built yet"),
     (["--cp", "2", "--pp", "2"], "--cp 2 with --pp is not built yet"),
     (["--cp", "2", "--seq-len", "30"], "--seq-len 30 does not cut into 4 equal chunks: use a multiple of 4 "
@@ -208,6 +213,7 @@ BAD_FLAGS = [
     (["--cp", "2", "--cp-layout", "striped"], "invalid choice: 'striped'"),
     # chapter 13: what experts refuse, before any work
     (["--ep", "2"], "add --n-experts E"),
+    (["--aux-loss-weight", "0.1"], "--aux-loss-weight shape a mixture of experts: add --n-experts E"),
     (["--n-experts", "4", "--top-k", "5"], "use --top-k <= 4"),
     (["--n-experts", "3", "--ep", "2"], "use an --n-experts divisible by 2"),
     (["--n-experts", "4", "--ep", "3"], "--ep 3 does not divide the world of 2 ranks"),

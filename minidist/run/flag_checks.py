@@ -139,6 +139,11 @@ def check_context_parallel(p, args, world_size: int) -> None:
     """--cp, --cp-attention and --cp-layout against the world, the model and what is built."""
     cp, what = args.cp, f"--cp {args.cp}"
     if cp == 1:
+        given = [f"{f} {v}" for f, v, d in (("--cp-attention", args.cp_attention, "ring"),
+                                            ("--cp-layout", args.cp_layout, "zigzag")) if v != d]
+        if given:  # (the defaults: what nobody chose)
+            p.error(f"{' '.join(given)} splits a sequence over cp ranks and this run has --cp 1: add --cp 2 or more, "
+                    "or drop it")
         return
     if args.tp > 1 or args.pp > 1:  # (the mesh has the axis; the cp GPT is cut from a whole model only)
         p.error(f"{what} with {'--tp' if args.tp > 1 else '--pp'} is not built yet: use --cp with data "
@@ -171,7 +176,8 @@ def check_experts(p, args, world_size: int) -> None:
     E, ep = args.n_experts, args.ep
     if not E:
         given = [f for f, v, d in (("--ep", ep, 1), ("--top-k", args.top_k, 2), ("--moe-every", args.moe_every, 1),
-                                   ("--capacity-factor", args.capacity_factor, 0.0)) if v != d]
+                                   ("--capacity-factor", args.capacity_factor, 0.0),
+                                   ("--aux-loss-weight", args.aux_loss_weight, 0.01)) if v != d]
         if given:
             p.error(f"{' '.join(given)} shape a mixture of experts: add --n-experts E (e.g. --n-experts 4)")
         return

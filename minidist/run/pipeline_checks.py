@@ -12,6 +12,10 @@ def check_pipeline(p, args, world_size: int) -> None:
     """--pp and its schedule against the world, the model and the other flags."""
     pp, what, sched, v = args.pp, f"--pp {args.pp}", args.pp_schedule, args.pp_virtual_stages
     if pp == 1:
+        if sched != "1f1b" or v != 2:  # (the defaults: what nobody chose)
+            flag = f"--pp-schedule {sched}" if sched != "1f1b" else f"--pp-virtual-stages {v}"
+            p.error(f"{flag} orders the stages of a pipeline and this run has one stage (--pp 1): "
+                    f"add --pp 2 or more, or drop {flag.split()[0]}")
         return
     if world_size % (pp * args.tp):
         n = pp * args.tp
