@@ -89,6 +89,7 @@ def _refusals():
         "ring_zigzag_odd": lambda: ATTENTIONS["ring"](*[z(1, H, 3, D)] * 3, None, layout="zigzag"),
         "shapes": lambda: ATTENTIONS["allgather"](z(1, H, 6, D), z(1, H, 6, D), z(1, H, 4, D), None),
         "ulysses_heads": lambda: ATTENTIONS["ulysses"](*[z(1, H + 1, 6, D)] * 3, None),
+        "ints": lambda: ATTENTIONS["ring"](*[z(1, H, 6, D, dtype=torch.long)] * 3, None),
         "a2a_splits": lambda: comm.all_to_all(z(n + 1), z(n + 1)),
     }
     said = {}
@@ -221,6 +222,7 @@ def test_bad_shapes_are_refused_saying_what_to_use(pool, n):
     assert "zigzag needs an even T_local" in said["ring_zigzag_odd"] and "layout='contiguous'" in said["ring_zigzag_odd"]
     assert "must have one shape (B, H, T_local, D)" in said["shapes"]
     assert f"{2 * n + 1} heads do not split over {n} ranks" in said["ulysses_heads"]
+    assert "must be floating point of one dtype, got torch.int64" in said["ints"]
     assert "all_to_all: input_split_sizes must be" in said["a2a_splits"]
 
 

@@ -50,6 +50,9 @@ def check_slices(who: str, q, k, v, n: int, layout: str) -> None:
     if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
         raise ValueError(f"{who}: q, k, v must have one shape (B, H, T_local, D), got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not q.is_floating_point() or q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(f"{who}: q, k, v must be floating point of one dtype, got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}: cast them (e.g. .float()) before attention")
     if layout == "zigzag" and q.shape[2] % 2:
         raise ValueError(f"{who}: zigzag needs an even T_local (the sequence in 2N = {2 * n} chunks), "
                          f"got {q.shape[2]}: pad the sequence to a multiple of {2 * n} and cut it with "
