@@ -126,6 +126,14 @@ def test_bad_moe_configs_are_refused(bad):
         MoEConfig(**bad)
 
 
+def test_the_moe_layer_refuses_what_it_cannot_route():
+    with pytest.raises(ValueError, match="capacity_factor=nan must be finite and >= 0"):
+        MoE(16, 4, 2, capacity_factor=float("nan"))
+    for x in (torch.zeros(6, 16), torch.zeros(2, 3, 8)):  # tokens without a batch axis; the wrong width
+        with pytest.raises(ValueError, match=r"MoE takes \(B, T, 16\) activations, got"):
+            MoE(16, 4, 2)(x)
+
+
 # ------------------------------------------------------------------ expert parallelism
 
 SETUPS = {2: [2], 4: [4, 2]}  # world: the ep sizes (ep 2 on 4 ranks: two replicas per expert)

@@ -91,6 +91,8 @@ class MoE(nn.Module):
         super().__init__()
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k={top_k} must be between 1 and n_experts={n_experts}")
+        if not 0 <= capacity_factor < math.inf:
+            raise ValueError(f"capacity_factor={capacity_factor} must be finite and >= 0 (0: dropless)")
         self.n_experts, self.top_k, self.capacity_factor, self.group = n_experts, top_k, capacity_factor, group
         self.router = nn.Linear(n_embd, n_experts, bias=False)
         # by global index, so a checkpoint names expert e alike however the experts are spread
@@ -109,6 +111,8 @@ class MoE(nn.Module):
         return every.sum(0), every[:dist.get_rank(self.group)].sum(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3 or x.shape[-1] != self.router.in_features:
+            raise ValueError(f"MoE takes (B, T, {self.router.in_features}) activations, got {tuple(x.shape)}")
         B, T, C = x.shape
         h = x.reshape(B * T, C)
         probs, gates, experts = route(self.router(h), self.top_k)
