@@ -65,6 +65,14 @@ def mfu(flops_per_token: float, tokens_per_s: float, peak_per_device: float | No
     return flops_per_token * tokens_per_s / (peak_per_device * n_devices)
 
 
+def mfu_text(m: float | None) -> str:
+    """MFU for the log: "4.5%", "n/a" without a peak, and above 100% said to be what it is: a
+    peak measured low (on a CPU, while something else held the cores), not work beyond it."""
+    if m is None:
+        return "n/a"
+    return f"{100 * m:.1f}%" + (" (above the measured peak: it was measured low)" if m > 1 else "")
+
+
 def memory_bytes(device: torch.device) -> int:
     """Peak memory of this process: CUDA allocator peak on GPU, peak RSS on CPU."""
     if device.type == "cuda":

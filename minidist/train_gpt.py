@@ -212,8 +212,7 @@ def _train(args, argv, stop, info, train_glob, val_glob) -> dict:
                     + (f" | val {row['val_loss']:.4f}" if "val_loss" in row else "")
                     + f" | lr {lr:.2e}"
                     + (f" | scale {scaler.get_scale():g} ({scaler.skipped_steps} skipped)" if scaler.enabled else "")
-                    + f" | {rate:,.0f} tok/s | MFU "
-                    + (f"{100 * m:.1f}%" if m is not None else "n/a")
+                    + f" | {rate:,.0f} tok/s | MFU {metrics.mfu_text(m)}"
                     + f" | mem {row['mem_gb']:.2f} GB" + (f" | experts {row['experts']}" if moe else ""))
             if args.checkpoint_every and diverged is None and \
                     ((step + 1) % args.checkpoint_every == 0 or last or ending):  # (a signal: saved)

@@ -113,4 +113,6 @@ def test_mfu_arithmetic_and_peak_table():
     assert metrics.gpu_peak_flops("Some Other GPU") is None
     assert metrics.mfu(6e9, 1000, 1e13, 2) == pytest.approx(6e12 / 2e13)
     assert metrics.mfu(6e9, 1000, None) is None
+    assert metrics.mfu_text(0.045) == "4.5%" and metrics.mfu_text(None) == "n/a"
+    assert metrics.mfu_text(1.043) == "104.3% (above the measured peak: it was measured low)"
     assert metrics.measure_cpu_peak_flops() > 1e8  # a real measurement, not a constant
