@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minidist.muon.orthogonalize import NS_COEFFICIENTS, newton_schulz, newton_schulz_many, schedule
+from minidist.muon.plain import check_hyperparameters
 
 __all__ = ["NS_COEFFICIENTS", "newton_schulz", "adjust_lr", "Muon", "RoundBucket", "plan_buckets",
            "hidden_matrices", "split_params", "check_routing"]
@@ -49,9 +50,7 @@ class Muon(torch.optim.Optimizer):
                  weight_decay: float = 0.0, ns_steps: int = 5, adjust_lr_fn: str | None = None,
                  ns_dtype: torch.dtype = torch.bfloat16, group=None, bucket_mb: float = 4.0,
                  ns_coefficients="jordan", batched: bool = True):
-        if not (0 <= lr < math.inf and 0 <= momentum < 1 and 0 <= weight_decay < math.inf) or ns_steps < 1:
-            raise ValueError(f"need a finite lr >= 0, 0 <= momentum < 1, a finite weight_decay >= 0, ns_steps >= 1; "
-                             f"got {lr}, {momentum}, {weight_decay}, {ns_steps}")
+        check_hyperparameters(lr, momentum, weight_decay, ns_steps)
         adjust_lr(1.0, (1, 1), adjust_lr_fn)  # rejects an unknown name now, not at step 1
         schedule(ns_coefficients, ns_steps)  # likewise an unknown coefficient choice
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,

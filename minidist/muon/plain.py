@@ -42,6 +42,13 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.bf
     return X.T if tall else X
 
 
+def check_hyperparameters(lr: float, momentum: float, weight_decay: float, ns_steps: int) -> None:
+    """Refuse what no step could use (nan passes every comparison, so each bound is spelled)."""
+    if not (0 <= lr < math.inf and 0 <= momentum < 1 and 0 <= weight_decay < math.inf) or ns_steps < 1:
+        raise ValueError(f"need a finite lr >= 0, 0 <= momentum < 1, a finite weight_decay >= 0, ns_steps >= 1; "
+                         f"got {lr}, {momentum}, {weight_decay}, {ns_steps}")
+
+
 class PlainMuon(torch.optim.Optimizer):
     """Muon for 2-D parameters, one round of N matrices at a time over the ranks of `group`
     (the default group if one exists; one process otherwise). Call step() on every rank."""
@@ -49,9 +56,7 @@ class PlainMuon(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
                  weight_decay: float = 0.0, ns_steps: int = 5, ns_dtype: torch.dtype = torch.bfloat16,
                  group=None):
-        if not (0 <= lr < math.inf and 0 <= momentum < 1 and 0 <= weight_decay < math.inf) or ns_steps < 1:
-            raise ValueError(f"need a finite lr >= 0, 0 <= momentum < 1, a finite weight_decay >= 0, ns_steps >= 1; "
-                             f"got {lr}, {momentum}, {weight_decay}, {ns_steps}")
+        check_hyperparameters(lr, momentum, weight_decay, ns_steps)
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov,
                                       weight_decay=weight_decay, ns_steps=ns_steps))
         self.ns_dtype, self.group = ns_dtype, group
